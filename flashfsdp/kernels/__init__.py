@@ -1,0 +1,16 @@
+"""flashfsdp's kernels: pure functions over tensors that move a unit's bytes (DESIGN.md section 3).
+
+- :func:`flatten` - many tensors -> one flat buffer (copy-in, gradient packing for reduce-scatter)
+- :func:`unflatten` - one flat buffer -> many tensors (write-back, copy-out)
+- :func:`accumulate_grad_shard` - reduced gradient shard -> master gradient, with norm and flag
+
+Each runs a Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``) or the plain-torch reference
+in :mod:`flashfsdp.kernels.reference`; :mod:`flashfsdp.kernels.dispatch` picks and can force one.
+The op modules share these names (``flashfsdp.kernels.flatten`` is the function once this package
+is imported); reach a module's contents with ``from flashfsdp.kernels.flatten import ...``.
+This package imports nothing from ``flashfsdp.runtime`` or ``flashfsdp.bindings``.
+"""
+
+from flashfsdp.kernels.dispatch import accumulate_grad_shard, flatten, unflatten
+
+__all__ = ["flatten", "unflatten", "accumulate_grad_shard"]

@@ -1,0 +1,209 @@
+"""The public kernel ops: each picks the Triton launcher or the plain-torch reference per call.
+
+Rule (:func:`select_backend`): Triton for CUDA tensors when the kernels are compiled, Triton for
+CPU tensors when they run under the Triton interpreter (``TRITON_INTERPRET=1`` set before import,
+see [Note: interpreter mode is fixed at import] in :mod:`flashfsdp.kernels.triton_support`), the
+reference otherwise (no Triton, or a device the kernels do not serve). :func:`use_backend` forces
+one path for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Literal, Sequence
+
+import torch
+
+from flashfsdp.kernels import reference, triton_support
+
+Backend = Literal["triton", "reference"]
+BACKENDS: tuple[Backend, ...] = ("triton", "reference")
+
+# The backend forced by `use_backend`, or None for the automatic rule. A plain global rather than
+# a context variable on purpose: autograd runs backward hooks on its own threads, which must see it.
+_forced_backend: Backend | None = None
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend | None) -> Iterator[None]:
+    """Force every op called inside the ``with`` block onto ``backend`` ("triton" or "reference").
+
+    ``None`` restores the automatic rule. Forcing "triton" where it cannot run (Triton missing,
+    CPU tensors without the interpreter, CUDA tensors under the interpreter) makes the ops raise
+    ``RuntimeError``. Not thread-safe against concurrent ``use_backend`` calls.
+    """
+    global _forced_backend
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"use_backend: backend must be one of {BACKENDS} or None, got {backend!r}")
+    previous, _forced_backend = _forced_backend, backend
+    try:
+        yield
+    finally:
+        _forced_backend = previous
+
+
+def use_triton() -> contextlib.AbstractContextManager[None]:
+    """Shorthand for ``use_backend("triton")``."""
+    return use_backend("triton")
+
+
+def use_reference() -> contextlib.AbstractContextManager[None]:
+    """Shorthand for ``use_backend("reference")``."""
+    return use_backend("reference")
+
+
+def triton_device_type() -> str | None:
+    """The device type the Triton kernels serve in this process: "cuda", "cpu" (interpreter), or None."""
+    if not triton_support.AVAILABLE:
+        return None
+    return "cpu" if triton_support.INTERPRETED else "cuda"
+
+
+def select_backend(device: torch.device) -> Backend:
+    """The backend an op on tensors living on ``device`` uses now (see the module docstring)."""
+    served = triton_device_type()
+    if _forced_backend == "triton":
+        if served is None:
+            raise RuntimeError(f"Triton backend forced but triton cannot be imported: {triton_support.IMPORT_ERROR}")
+        if device.type != served:
+            mode = "under the Triton interpreter" if served == "cpu" else "without TRITON_INTERPRET=1"
+            raise RuntimeError(f"Triton backend forced but the kernels cannot run on {device} {mode}")
+        return "triton"
+    if _forced_backend == "reference":
+        return "reference"
+    return "triton" if device.type == served else "reference"
+
+
+def _implementation(op: str, device_of: object):
+    """The function running ``op`` for tensors on ``device_of``'s device (a non-tensor: the
+    reference, whose validation then raises the TypeError)."""
+    if isinstance(device_of, torch.Tensor) and select_backend(device_of.device) == "triton":
+        launcher = _triton_launchers().get(op)
+        if launcher is not None:
+            return launcher
+    return getattr(reference, op)
+
+
+def _triton_launchers() -> dict:
+    # Filled in as the Triton launchers land; until then every op runs the reference.
+    return {}
+
+
+def flatten(
+    tensors: Sequence[torch.Tensor | None],
+    offsets: Sequence[int],
+    out: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    numels: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Pack many tensors into one flat buffer, with cast, scale and zeroed gaps; returns ``out``.
+
+    For every entry i with a tensor ``t_i`` (any shape, n_i = ``t_i.numel()`` elements, read in
+    row-major order)::
+
+        out[offsets[i] : offsets[i] + n_i] = (t_i.reshape(-1).float() * scale).to(out.dtype)
+
+    the cast rounding to nearest even; every element of ``out`` no tensor covers is set to 0.
+    A ``None`` entry stands for a tensor that does not exist (a parameter without a gradient):
+    its range ``[offsets[i], offsets[i] + numels[i])`` is zeroed like any gap (length 0 without
+    ``numels``). This is the job of FSDP2's ``torch._foreach_copy_`` into split views of the
+    all-gather input (copy-in, with a cast to ``param_dtype``) and of ``torch._chunk_cat`` packing
+    gradients for reduce-scatter (cast to ``reduce_dtype``, pre-divide ``scale``, zero padding),
+    done here in one launch for a whole unit.
+
+    Args:
+        tensors: sequence of tensors of dtype float32, bfloat16 or float16 (mixed dtypes allowed),
+            or ``None``; all on ``out``'s device. Non-contiguous tensors are read through a
+            ``.contiguous()`` copy.
+        offsets: element offsets into ``out``, one per entry, in any order; the ranges must lie
+            inside ``out`` and must not overlap.
+        out: 1-D contiguous float32/bfloat16/float16 buffer, written in place.
+        scale: factor applied in fp32 before the cast (e.g. 1/world_size as pre-divide factor).
+        numels: optional element count per entry; required to give ``None`` entries a length,
+            and must equal ``t_i.numel()`` for tensors.
+
+    Raises:
+        TypeError: a non-tensor entry, an unsupported dtype, a non-int offset or a non-real scale.
+        ValueError: length mismatch between tensors, offsets and numels; a negative, out-of-range
+            or overlapping range; ``out`` not 1-D and contiguous; a tensor on another device or
+            partially overlapping ``out``'s memory.
+    """
+    return _implementation("flatten", out)(
+        tensors, offsets, out, scale=scale, numels=numels
+    )
+
+
+def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+    """Copy ranges of one flat buffer out into many tensors, with cast; the inverse of :func:`flatten`.
+
+    For every i, with n_i = ``outs[i].numel()``::
+
+        outs[i].view(-1)[:] = flat[offsets[i] : offsets[i] + n_i].to(outs[i].dtype)
+
+    (row-major order, rounding to nearest even on narrowing casts). This is the job of FSDP2's
+    ``torch.split_with_sizes_copy`` (copy-out of the all-gather output), used by flashfsdp to write
+    back full parameters (loading, summoning full parameters, CPU offload), one launch per call.
+
+    Args:
+        flat: 1-D contiguous float32/bfloat16/float16 buffer.
+        offsets: element offset of each output's range in ``flat``; ranges must lie inside ``flat``
+            (they may overlap: reading twice is well defined).
+        outs: tensors of any shape and dtype float32/bfloat16/float16 on ``flat``'s device, written
+            in place. Non-contiguous outputs are written through a contiguous temporary and copied
+            back (correct, one extra pass). Outputs must not overlap each other.
+
+    Raises:
+        TypeError: a non-tensor output, an unsupported dtype, a non-int offset.
+        ValueError: length mismatch between outs and offsets; a negative or out-of-range range;
+            ``flat`` not 1-D and contiguous; an output on another device or partially overlapping
+            ``flat``'s memory.
+    """
+    return _implementation("unflatten", flat)(
+        flat, offsets, outs
+    )
+
+
+def accumulate_grad_shard(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    accumulate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add (or assign) a reduced gradient shard into the master gradient; return its norm and flag.
+
+    Elementwise, in fp32, rounding once to ``dst.dtype`` (nearest even)::
+
+        dst = (dst.float() + src.float() * scale).to(dst.dtype)    # accumulate=True
+        dst = (src.float() * scale).to(dst.dtype)                  # accumulate=False
+
+    and, from the same pass over the stored values, ``norm_sq = sum(dst.float() ** 2)`` and
+    ``nonfinite = any(isinf(dst) | isnan(dst))``. This replaces FSDP2's post-reduce-scatter
+    ``div_`` (post-divide factor), cast to the parameter dtype and ``sharded_param.grad += ...``,
+    and hands gradient clipping (sum of the shards' ``norm_sq`` across ranks) and fp16 loss scaling
+    (any rank's ``nonfinite``) their inputs without another read of the gradient.
+
+    Args:
+        src: reduce-scatter output, any shape, float32/bfloat16/float16 (``reduce_dtype``);
+            read through a ``.contiguous()`` copy if it is not contiguous.
+        dst: master gradient shard, any shape with ``src.numel()`` elements, float32/bfloat16/
+            float16, on ``src``'s device, updated in place (through a contiguous temporary and a
+            copy back if it is not contiguous).
+        scale: factor applied to ``src`` in fp32 (e.g. the post-divide factor 1/world_size).
+        accumulate: add into ``dst`` (True) or overwrite it (False, the first micro-batch).
+
+    Returns:
+        ``(norm_sq, nonfinite)``: a 0-dim float32 tensor, the squared L2 norm of ``dst`` after the
+        update (summed in fp32 blocks of the stored values; relative error ~1e-6), and a 0-dim
+        bool tensor, true if ``dst`` holds any inf or nan; both on ``dst``'s device, without a
+        host synchronisation.
+
+    Raises:
+        TypeError: non-tensor arguments, unsupported dtypes, a non-real scale.
+        ValueError: ``src.numel() != dst.numel()``, different devices, ``src`` partially
+            overlapping ``dst``'s memory.
+    """
+    return _implementation("accumulate_grad_shard", dst)(
+        src, dst, scale=scale, accumulate=accumulate
+    )

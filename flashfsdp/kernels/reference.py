@@ -1,0 +1,84 @@
+"""Plain-torch implementations of every kernel op: the specification, and the CPU path.
+
+Each function here is the meaning of the op of the same name in :mod:`flashfsdp.kernels`; the
+Triton launchers must agree with it bit for bit (up to the documented exceptions in the tests).
+They check their arguments with :mod:`flashfsdp.kernels.validation`, so both paths raise the same
+errors. They run on any device torch supports, one torch op per tensor.
+
+Arithmetic contract shared by all ops: values are converted to fp32, multiplied by ``scale`` in
+fp32 (``x.float() * scale``), added in fp32 where the op accumulates, and rounded once to the
+destination dtype with round-to-nearest-even (``Tensor.to`` / ``Tensor.copy_``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from flashfsdp.kernels.segments import uncovered_ranges
+from flashfsdp.kernels.validation import (
+    validate_accumulate_grad_shard,
+    validate_flatten,
+    validate_unflatten,
+)
+
+
+def _scaled_fp32(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x.float() * scale`` as a 1-D fp32 tensor (never aliasing ``x`` when it is scaled)."""
+    x = x.reshape(-1).float()
+    return x if scale == 1.0 else x * scale
+
+
+def flatten(
+    tensors: Sequence[torch.Tensor | None],
+    offsets: Sequence[int],
+    out: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    numels: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Reference of :func:`flashfsdp.kernels.flatten`: ``out[o_i : o_i + n_i] = cast(t_i * scale)``.
+
+    Every element of ``out`` that no tensor covers (gaps, ``None`` entries) is set to 0.
+    Returns ``out``.
+    """
+    offsets, sizes, scale = validate_flatten(tensors, offsets, out, scale, numels)
+    entries = [(t, o, n) for t, o, n in zip(tensors, offsets, sizes) if t is not None and n > 0]
+    for start, stop in uncovered_ranges([(o, n) for _, o, n in entries], out.numel()):
+        out[start:stop].zero_()
+    for tensor, offset, size in entries:
+        out[offset : offset + size].copy_(_scaled_fp32(tensor, scale))
+    return out
+
+
+def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+    """Reference of :func:`flashfsdp.kernels.unflatten`: ``outs[i][...] = cast(flat[o_i : o_i + n_i])``."""
+    offsets, sizes = validate_unflatten(flat, offsets, outs)
+    for out, offset, size in zip(outs, offsets, sizes):
+        if size > 0:
+            out.copy_(flat[offset : offset + size].view(out.shape))
+
+
+def accumulate_grad_shard(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    accumulate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`flashfsdp.kernels.accumulate_grad_shard`.
+
+    ``dst = cast(dst.float() + src.float() * scale)`` (or without the ``dst`` term when
+    ``accumulate`` is false). Returns ``(sum(dst**2) as 0-dim fp32, any(~isfinite(dst)) as 0-dim
+    bool)``, both measured on the stored values; the norm is summed in fp64 here.
+    """
+    scale = validate_accumulate_grad_shard(src, dst, scale)
+    update = _scaled_fp32(src, scale)
+    if accumulate:
+        update = dst.reshape(-1).float() + update
+    dst.copy_(update.view(dst.shape))
+    stored = dst.double()
+    norm_sq = stored.square().sum().float()
+    nonfinite = ~torch.isfinite(stored).all()
+    return norm_sq, nonfinite

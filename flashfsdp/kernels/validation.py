@@ -1,0 +1,217 @@
+"""Argument checks shared by the Triton and the reference implementation of every kernel op.
+
+Both paths call the same checks, so a bad argument raises the same exception with the same message
+whichever backend runs. Every message starts with the op's name and names the offending argument,
+e.g. ``flatten: offsets[3]=120 overlaps tensors[2] which covers [100, 130)``.
+
+Errors:
+- ``TypeError`` for an argument of the wrong kind: not a tensor, an offset that is not an int, a
+  dtype outside :data:`SUPPORTED_DTYPES`.
+- ``ValueError`` for a tensor of the right kind but the wrong shape or place: length mismatches,
+  negative / out-of-range / overlapping offsets, a non-contiguous or non-1-D flat buffer, tensors on
+  different devices, a partial memory overlap between an input and an output.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import torch
+
+# The float dtypes every op reads and writes. Arithmetic happens in fp32, so float64 is left out on
+# purpose (it would silently lose precision); fp8 formats are a later addition.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
+    """Raise ``TypeError`` unless ``tensor.dtype`` is one of :data:`SUPPORTED_DTYPES`."""
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        kind = "floating" if tensor.dtype.is_floating_point else "non-floating"
+        raise TypeError(
+            f"{op}: {name} has {kind} dtype {tensor.dtype}; only floating dtypes "
+            f"float32, bfloat16 and float16 are supported"
+        )
+
+
+def check_tensor(op: str, name: str, value: object) -> torch.Tensor:
+    """Raise ``TypeError`` unless ``value`` is a ``torch.Tensor`` with a supported dtype."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    check_dtype(op, name, value)
+    return value
+
+
+def check_flat_buffer(op: str, name: str, value: object) -> torch.Tensor:
+    """Check a flat buffer argument: a supported-dtype tensor that is 1-D and contiguous."""
+    tensor = check_tensor(op, name, value)
+    if tensor.dim() != 1:
+        raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (stride 1), got stride {tensor.stride()}")
+    return tensor
+
+
+def check_same_device(op: str, name: str, tensor: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """Raise ``ValueError`` if ``tensor`` and ``ref`` live on different devices."""
+    if tensor.device != ref.device:
+        raise ValueError(f"{op}: {name} is on {tensor.device} but {ref_name} is on {ref.device}")
+
+
+def check_scale(op: str, scale: object) -> float:
+    """Return ``scale`` as a Python float; ``TypeError`` if it is not a real number."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def _as_int_list(op: str, name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    result = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool):
+            raise TypeError(f"{op}: {name}[{i}] must be an int, got bool")
+        try:
+            result.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"{op}: {name}[{i}] must be an int, got {type(value).__name__}") from None
+    return result
+
+
+def check_ranges(
+    op: str,
+    items_name: str,
+    offsets: list[int],
+    numels: list[int],
+    buffer_name: str,
+    buffer_numel: int,
+) -> None:
+    """Check that the element ranges ``[offsets[i], offsets[i] + numels[i])`` fit and are disjoint.
+
+    Each range must lie inside ``[0, buffer_numel]``; non-empty ranges must not overlap each other.
+    Offsets need not be sorted: the check sorts them. Raises ``ValueError`` naming the entry.
+    """
+    for i, (offset, numel) in enumerate(zip(offsets, numels)):
+        if offset < 0:
+            raise ValueError(f"{op}: offsets[{i}]={offset} is negative")
+        if offset + numel > buffer_numel:
+            raise ValueError(
+                f"{op}: offsets[{i}]={offset} with {items_name}[{i}] of {numel} elements ends at "
+                f"{offset + numel}, past {buffer_name}.numel()={buffer_numel}"
+            )
+    order = sorted((i for i in range(len(offsets)) if numels[i] > 0), key=offsets.__getitem__)
+    for prev, cur in zip(order, order[1:]):
+        prev_end = offsets[prev] + numels[prev]
+        if offsets[cur] < prev_end:
+            raise ValueError(
+                f"{op}: offsets[{cur}]={offsets[cur]} overlaps {items_name}[{prev}] which covers "
+                f"[{offsets[prev]}, {prev_end})"
+            )
+
+
+def _check_aliasing(op: str, name: str, tensor: torch.Tensor, buffer_name: str, buffer: torch.Tensor,
+                    offset: int) -> None:
+    """Reject a tensor that shares memory with ``buffer`` unless it *is* ``buffer[offset:offset+n]``.
+
+    An exact alias is harmless (every element is read and written by the same thread), any other
+    overlap would make the result depend on the order of reads and writes.
+    """
+    if tensor.numel() == 0 or tensor.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+        return
+    exact = (
+        tensor.dtype == buffer.dtype
+        and tensor.is_contiguous()
+        and buffer.is_contiguous()
+        and tensor.data_ptr() == buffer.data_ptr() + offset * buffer.element_size()
+    )
+    if not exact:
+        raise ValueError(
+            f"{op}: {name} shares memory with {buffer_name} without being exactly "
+            f"{buffer_name}[{offset}:{offset + tensor.numel()}]; pass a separate tensor"
+        )
+
+
+def validate_flatten(
+    tensors: Sequence[torch.Tensor | None],
+    offsets: Sequence[int],
+    out: torch.Tensor,
+    scale: float,
+    numels: Sequence[int] | None,
+) -> tuple[list[int], list[int], float]:
+    """Check :func:`flashfsdp.kernels.flatten`'s arguments; return ``(offsets, numels, scale)``.
+
+    ``numels`` comes back filled in: ``t.numel()`` for a tensor, the caller's value (or 0 when the
+    caller gave no ``numels``) for a ``None`` entry.
+    """
+    op = "flatten"
+    out = check_flat_buffer(op, "out", out)
+    scale = check_scale(op, scale)
+    offsets = _as_int_list(op, "offsets", offsets)
+    if len(offsets) != len(tensors):
+        raise ValueError(f"{op}: got {len(tensors)} tensors but {len(offsets)} offsets")
+    if numels is not None:
+        numels = _as_int_list(op, "numels", numels)
+        if len(numels) != len(tensors):
+            raise ValueError(f"{op}: got {len(tensors)} tensors but {len(numels)} numels")
+    sizes = []
+    for i, tensor in enumerate(tensors):
+        if tensor is None:
+            size = 0 if numels is None else numels[i]
+            if size < 0:
+                raise ValueError(f"{op}: numels[{i}]={size} is negative")
+        else:
+            tensor = check_tensor(op, f"tensors[{i}]", tensor)
+            check_same_device(op, f"tensors[{i}]", tensor, "out", out)
+            size = tensor.numel()
+            if numels is not None and numels[i] != size:
+                raise ValueError(f"{op}: numels[{i}]={numels[i]} but tensors[{i}] has {size} elements")
+            _check_aliasing(op, f"tensors[{i}]", tensor, "out", out, offsets[i])
+        sizes.append(size)
+    check_ranges(op, "tensors", offsets, sizes, "out", out.numel())
+    return offsets, sizes, scale
+
+
+def validate_unflatten(
+    flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]
+) -> tuple[list[int], list[int]]:
+    """Check :func:`flashfsdp.kernels.unflatten`'s arguments; return ``(offsets, numels)``.
+
+    Unlike ``flatten``'s ranges, ``unflatten``'s source ranges may overlap (reading one element into
+    two outputs is well defined); they must lie inside ``flat``.
+    """
+    op = "unflatten"
+    flat = check_flat_buffer(op, "flat", flat)
+    offsets = _as_int_list(op, "offsets", offsets)
+    if len(offsets) != len(outs):
+        raise ValueError(f"{op}: got {len(outs)} outs but {len(offsets)} offsets")
+    sizes = []
+    for i, out in enumerate(outs):
+        out = check_tensor(op, f"outs[{i}]", out)
+        check_same_device(op, f"outs[{i}]", out, "flat", flat)
+        _check_aliasing(op, f"outs[{i}]", out, "flat", flat, offsets[i])
+        sizes.append(out.numel())
+    for i, (offset, size) in enumerate(zip(offsets, sizes)):
+        if offset < 0:
+            raise ValueError(f"{op}: offsets[{i}]={offset} is negative")
+        if offset + size > flat.numel():
+            raise ValueError(
+                f"{op}: offsets[{i}]={offset} with outs[{i}] of {size} elements ends at "
+                f"{offset + size}, past flat.numel()={flat.numel()}"
+            )
+    return offsets, sizes
+
+
+def validate_accumulate_grad_shard(src: torch.Tensor, dst: torch.Tensor, scale: float) -> float:
+    """Check :func:`flashfsdp.kernels.accumulate_grad_shard`'s arguments; return ``scale``."""
+    op = "accumulate_grad_shard"
+    src = check_tensor(op, "src", src)
+    dst = check_tensor(op, "dst", dst)
+    check_same_device(op, "src", src, "dst", dst)
+    if src.numel() != dst.numel():
+        raise ValueError(
+            f"{op}: src has {src.numel()} elements (shape {tuple(src.shape)}) but dst has "
+            f"{dst.numel()} (shape {tuple(dst.shape)})"
+        )
+    _check_aliasing(op, "src", src, "dst", dst, 0)
+    return check_scale(op, scale)
