@@ -11,6 +11,8 @@ is imported); reach a module's contents with ``from flashfsdp.kernels.flatten im
 This package imports nothing from ``flashfsdp.runtime`` or ``flashfsdp.bindings``.
 """
 
+# dispatch imports the op modules (flashfsdp.kernels.flatten, ...) before the names below rebind
+# the package attributes to the functions; importing an op module again later does not undo that.
 from flashfsdp.kernels.dispatch import accumulate_grad_shard, flatten, unflatten
 
 __all__ = ["flatten", "unflatten", "accumulate_grad_shard"]

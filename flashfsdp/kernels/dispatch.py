@@ -15,9 +15,18 @@ from typing import Iterator, Literal, Sequence
 import torch
 
 from flashfsdp.kernels import reference, triton_support
+from flashfsdp.kernels.accumulate_grad_shard import accumulate_grad_shard_triton
+from flashfsdp.kernels.flatten import flatten_triton
+from flashfsdp.kernels.unflatten import unflatten_triton
 
 Backend = Literal["triton", "reference"]
 BACKENDS: tuple[Backend, ...] = ("triton", "reference")
+
+_TRITON_LAUNCHERS = {
+    "flatten": flatten_triton,
+    "unflatten": unflatten_triton,
+    "accumulate_grad_shard": accumulate_grad_shard_triton,
+}
 
 # The backend forced by `use_backend`, or None for the automatic rule. A plain global rather than
 # a context variable on purpose: autograd runs backward hooks on its own threads, which must see it.
@@ -78,15 +87,8 @@ def _implementation(op: str, device_of: object):
     """The function running ``op`` for tensors on ``device_of``'s device (a non-tensor: the
     reference, whose validation then raises the TypeError)."""
     if isinstance(device_of, torch.Tensor) and select_backend(device_of.device) == "triton":
-        launcher = _triton_launchers().get(op)
-        if launcher is not None:
-            return launcher
+        return _TRITON_LAUNCHERS[op]
     return getattr(reference, op)
-
-
-def _triton_launchers() -> dict:
-    # Filled in as the Triton launchers land; until then every op runs the reference.
-    return {}
 
 
 def flatten(

@@ -18,12 +18,16 @@ from __future__ import annotations
 class _Missing:
     """Stands in for ``triton`` and ``triton.language`` when they cannot be imported.
 
-    ``jit`` returns the function unchanged (the kernels are never launched then) and every other
-    attribute is ``None``, enough for kernel signatures such as ``BLOCK: tl.constexpr``.
+    ``jit`` returns the function unchanged (the kernels are never launched then), ``constexpr``
+    returns its value, and every other attribute is ``None``: enough to define the kernels'
+    module-level names and signatures such as ``BLOCK: tl.constexpr``.
     """
 
     def jit(self, fn=None, **kwargs):
         return fn if fn is not None else (lambda f: f)
+
+    def constexpr(self, value=None):
+        return value
 
     def __getattr__(self, name):
         return None

@@ -7,13 +7,14 @@ e.g. ``flatten: offsets[3]=120 overlaps tensors[2] which covers [100, 130)``.
 Errors:
 - ``TypeError`` for an argument of the wrong kind: not a tensor, an offset that is not an int, a
   dtype outside :data:`SUPPORTED_DTYPES`.
-- ``ValueError`` for a tensor of the right kind but the wrong shape or place: length mismatches,
+- ``ValueError`` for a value of the right kind but wrong: a non-finite scale, length mismatches,
   negative / out-of-range / overlapping offsets, a non-contiguous or non-1-D flat buffer, tensors on
   different devices, a partial memory overlap between an input and an output.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Sequence
 
@@ -59,9 +60,12 @@ def check_same_device(op: str, name: str, tensor: torch.Tensor, ref_name: str, r
 
 
 def check_scale(op: str, scale: object) -> float:
-    """Return ``scale`` as a Python float; ``TypeError`` if it is not a real number."""
+    """Return ``scale`` as a Python float: ``TypeError`` if it is not a real number, ``ValueError``
+    if it is inf or nan (which would turn zeroed gaps into nan)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{op}: scale must be finite, got {scale}")
     return float(scale)
 
 

@@ -1,0 +1,95 @@
+"""flatten as one Triton launch: many tensors -> one flat buffer, with cast, scale and zeroed gaps.
+
+The op's contract is :func:`flashfsdp.kernels.flatten` (docstring in
+:mod:`flashfsdp.kernels.dispatch`); its reference is :func:`flashfsdp.kernels.reference.flatten`.
+
+Design:
+- One launch for the whole list. The host lists *segments*: every non-empty tensor, plus every
+  range of ``out`` no tensor covers (gaps, ``None`` entries), which the kernel writes as zeros in
+  the same pass. No separate memset, no per-tensor launch.
+- Mixed input dtypes in one launch: each segment row carries its input's dtype code and the
+  kernel loads through a pointer of that dtype (one uniform branch per program, so no
+  divergence). The output dtype is ``out``'s, a compile-time constant.
+- Work split: one program per ``BLOCK`` elements of each segment, found by binary search over the
+  table's prefix sum of blocks ([Note: segment tables] in :mod:`flashfsdp.kernels.segments`), so
+  huge and tiny tensors in one list balance.
+- 64-bit element arithmetic (program id, offsets and numels are int64), so buffers past 2^31
+  elements or bytes are fine.
+- A full block of a 16-byte-aligned segment takes an unmasked path with alignment hints
+  (16-byte vector loads and stores); the last, partial block of a segment is masked.
+- fp32 -> bf16 rounds to nearest even in integer arithmetic (:func:`round_to_bfloat16`), so the
+  interpreter gives the GPU's bits.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from flashfsdp.kernels.segments import DTYPE_CODES, ZERO_CODE, segment_table, uncovered_ranges
+from flashfsdp.kernels.triton_helpers import cast_from_float32, find_segment, load_as_float32
+from flashfsdp.kernels.triton_support import tl, triton
+from flashfsdp.kernels.validation import validate_flatten
+
+BLOCK = 4096  # elements per program: 16 per thread at 8 warps, four 16-byte vectors of fp32
+NUM_WARPS = 8
+
+
+@triton.jit
+def flatten_kernel(table_ptr, n_segments, out_ptr, scale, BLOCK: tl.constexpr, APPLY_SCALE: tl.constexpr):
+    """Program ``pid`` writes one block of one segment: ``out[off + i] = cast(src[i] * scale)``."""
+    pid = tl.program_id(0).to(tl.int64)
+    address, code, aligned, flat_offset, numel, start = find_segment(table_ptr, n_segments, pid, BLOCK)
+    idx = start + tl.arange(0, BLOCK)
+    if aligned & (start + BLOCK <= numel):
+        x = load_as_float32(address, code, idx, None, True)
+        if APPLY_SCALE:
+            x = x * scale
+        dst = tl.multiple_of(out_ptr + flat_offset, 16)
+        tl.store(dst + idx, cast_from_float32(x, out_ptr.dtype.element_ty))
+    else:
+        mask = idx < numel
+        x = load_as_float32(address, code, idx, mask, False)
+        if APPLY_SCALE:
+            x = x * scale
+        tl.store(out_ptr + flat_offset + idx, cast_from_float32(x, out_ptr.dtype.element_ty), mask=mask)
+
+
+def flatten_triton(
+    tensors: Sequence[torch.Tensor | None],
+    offsets: Sequence[int],
+    out: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    numels: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Triton launcher of :func:`flashfsdp.kernels.flatten` (same arguments, result and errors).
+
+    Non-contiguous tensors are copied with ``.contiguous()`` first (one extra read and write of
+    those tensors). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
+    """
+    offsets, sizes, scale = validate_flatten(tensors, offsets, out, scale, numels)
+    sources = []  # keeps .contiguous() copies alive until the launch is enqueued
+    addresses, codes, starts, lengths = [], [], [], []
+    for tensor, offset, size in zip(tensors, offsets, sizes):
+        if tensor is None or size == 0:
+            continue
+        tensor = tensor.contiguous()
+        sources.append(tensor)
+        addresses.append(tensor.data_ptr())
+        codes.append(DTYPE_CODES[tensor.dtype])
+        starts.append(offset)
+        lengths.append(size)
+    for gap_start, gap_stop in uncovered_ranges(zip(starts, lengths), out.numel()):
+        addresses.append(0)
+        codes.append(ZERO_CODE)
+        starts.append(gap_start)
+        lengths.append(gap_stop - gap_start)
+    if not lengths:
+        return out
+    table, n_blocks = segment_table(addresses, codes, starts, lengths, out, BLOCK)
+    flatten_kernel[(n_blocks,)](
+        table, len(lengths), out, scale, BLOCK=BLOCK, APPLY_SCALE=scale != 1.0, num_warps=NUM_WARPS
+    )
+    return out

@@ -1,0 +1,70 @@
+"""unflatten as one Triton launch: one flat buffer -> many tensors, with cast.
+
+The op's contract is :func:`flashfsdp.kernels.unflatten` (docstring in
+:mod:`flashfsdp.kernels.dispatch`); its reference is :func:`flashfsdp.kernels.reference.unflatten`.
+
+Same scheme as :mod:`flashfsdp.kernels.flatten`, mirrored: one segment per non-empty output, the
+table giving the output's address and dtype code and its range of ``flat``; one program per
+``BLOCK`` elements of a segment, found by binary search; int64 offsets; unmasked 16-byte vector
+accesses for full blocks of aligned segments; stores through a pointer of each output's dtype,
+fp32 -> bf16 rounded to nearest even in integer arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from flashfsdp.kernels.segments import DTYPE_CODES, segment_table
+from flashfsdp.kernels.triton_helpers import find_segment, store_from_float32
+from flashfsdp.kernels.triton_support import tl, triton
+from flashfsdp.kernels.validation import validate_unflatten
+
+BLOCK = 4096  # elements per program: 16 per thread at 8 warps
+NUM_WARPS = 8
+
+
+@triton.jit
+def unflatten_kernel(table_ptr, n_segments, flat_ptr, BLOCK: tl.constexpr):
+    """Program ``pid`` copies one block of one segment: ``dst[i] = cast(flat[off + i])``."""
+    pid = tl.program_id(0).to(tl.int64)
+    address, code, aligned, flat_offset, numel, start = find_segment(table_ptr, n_segments, pid, BLOCK)
+    idx = start + tl.arange(0, BLOCK)
+    if aligned & (start + BLOCK <= numel):
+        src = tl.multiple_of(flat_ptr + flat_offset, 16)
+        x = tl.load(src + idx).to(tl.float32)
+        store_from_float32(address, code, idx, x, None, True)
+    else:
+        mask = idx < numel
+        x = tl.load(flat_ptr + flat_offset + idx, mask=mask).to(tl.float32)
+        store_from_float32(address, code, idx, x, mask, False)
+
+
+def unflatten_triton(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+    """Triton launcher of :func:`flashfsdp.kernels.unflatten` (same arguments, result and errors).
+
+    A non-contiguous output is written through a contiguous temporary, copied back into it after
+    the launch (stream-ordered, no host sync). Runs on CUDA tensors, or on CPU tensors under
+    ``TRITON_INTERPRET=1``.
+    """
+    offsets, sizes = validate_unflatten(flat, offsets, outs)
+    write_backs = []  # (non-contiguous output, its contiguous temporary)
+    addresses, codes, starts, lengths = [], [], [], []
+    for out, offset, size in zip(outs, offsets, sizes):
+        if size == 0:
+            continue
+        if not out.is_contiguous():
+            temporary = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            write_backs.append((out, temporary))
+            out = temporary
+        addresses.append(out.data_ptr())
+        codes.append(DTYPE_CODES[out.dtype])
+        starts.append(offset)
+        lengths.append(size)
+    if not lengths:
+        return
+    table, n_blocks = segment_table(addresses, codes, starts, lengths, flat, BLOCK)
+    unflatten_kernel[(n_blocks,)](table, len(lengths), flat, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    for out, temporary in write_backs:
+        out.copy_(temporary)
