@@ -1,0 +1,20 @@
+"""flashfsdp: Fully Sharded Data Parallel (ZeRO-3) for PyTorch with Triton kernels and NCCL via CuPy.
+
+Drop-in names follow PyTorch FSDP2: ``from flashfsdp import fully_shard, MixedPrecisionPolicy``.
+"""
+
+from flashfsdp.bindings.clip_grad import clip_grad_norm_
+from flashfsdp.bindings.fully_shard import FSDPModule, UnshardHandle, fully_shard
+from flashfsdp.bindings.functional import all_gather_with_grad
+from flashfsdp.bindings.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "clip_grad_norm_",
+    "all_gather_with_grad",
+]

@@ -1,0 +1,268 @@
+"""fully_shard() and FSDPModule: the drop-in for ``torch.distributed.fsdp.fully_shard``.
+
+``fully_shard(module)`` makes one unit of the module's parameters that no nested fully_shard'ed
+module owns, shards it across the mesh's ranks at once (the module's parameters become this rank's
+local pieces, so an optimizer can be built right after), and installs the forward hooks that
+unshard and reshard it. Call it bottom-up: on the blocks first, then on the root.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from flashfsdp.runtime.communicator import Communicator, LocalCommunicator
+from flashfsdp.runtime.unit import ShardedUnit
+
+from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .state import FSDPState
+
+_COMMUNICATOR_KINDS = ("auto", "nccl", "process_group")
+_nccl_cache: dict[tuple, Communicator] = {}
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, state: FSDPState):
+        self._state = state
+
+    def wait(self) -> None:
+        """Make the current stream wait for the all-gather and install the unsharded parameters."""
+        if self._state is not None:
+            self._state.wait_unshard()
+            self._state = None
+
+
+class FSDPModule:
+    """Mixin that ``fully_shard`` adds to a module's class (``FSDP<ClassName>``), as FSDP2 does."""
+
+    def _fsdp_state(self) -> FSDPState:
+        return self.__dict__["_flashfsdp_state"]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters; with ``async_op`` return a handle to ``wait()`` on."""
+        state = self._fsdp_state()
+        state.unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module holds its sharded pieces again."""
+        self._fsdp_state().reshard()
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        return [m._flashfsdp_state for m in self.modules() if hasattr(m, "_flashfsdp_state")]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Reduce gradients in backward (True) or accumulate them unsharded, without communication.
+
+        The next backward with sync on reduce-scatters everything accumulated meanwhile.
+        """
+        for state in self._fsdp_states(recurse):
+            state.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free the unsharded parameters after backward (True, the default) or keep them."""
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Free the unsharded parameters after forward (re-gather in backward) or keep them."""
+        for state in self._fsdp_states(recurse):
+            if not state.is_root:
+                state.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Unshard these units when this one starts its forward (replaces the implicit choice)."""
+        self._fsdp_state().explicit_forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Unshard these units when this one starts its backward (replaces the implicit choice)."""
+        self._fsdp_state().explicit_backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+
+def _state_of(module: nn.Module, where: str) -> FSDPState:
+    state = getattr(module, "_flashfsdp_state", None)
+    if state is None:
+        raise ValueError(f"{where}: {type(module).__name__} is not a fully_shard'ed module; call fully_shard on it first")
+    return state
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh=None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    communicator: str | Communicator = "auto",
+) -> nn.Module:
+    """Shard ``module``'s parameters across ranks as one unit (FSDP / ZeRO-3).
+
+    Args:
+        module: the module; its parameters not owned by a nested fully_shard'ed module (and not in
+            ``ignored_params``) form the unit. They must be floating-point and on one device.
+        mesh: a 1-D ``DeviceMesh`` whose group shards the unit. None: the default process group,
+            or a single rank (W = 1) when torch.distributed is not initialised.
+        reshard_after_forward: free the unsharded parameters after forward and all-gather again in
+            backward (ZeRO-3); False keeps them until backward ends (ZeRO-2-like, more memory).
+        mp_policy: ``param_dtype`` for forward/backward, ``reduce_dtype`` for the reduce-scatter.
+        offload_policy: None or ``OffloadPolicy()``; ``CPUOffloadPolicy`` is not supported yet.
+        ignored_params: parameters left as they are (not sharded, gradients not reduced).
+        communicator: "auto" (NCCL through CuPy for CUDA modules, the process group otherwise),
+            "nccl", "process_group", or a ``Communicator`` instance.
+
+    Returns:
+        ``module``, whose class now also derives from :class:`FSDPModule`.
+
+    Raises:
+        ValueError: ``module`` already fully_shard'ed; parameters on several devices; a parameter
+            already owned by another unit or shared with one; a mesh that is not 1-D or does not
+            match the module's device; an unknown communicator.
+        TypeError: a non-floating parameter, a bad ``mp_policy``.
+        RuntimeError: W > 1 requested (``WORLD_SIZE`` set) but torch.distributed not initialised.
+        NotImplementedError: ``CPUOffloadPolicy``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard: module must be an nn.Module, got {type(module).__name__}")
+    if hasattr(module, "_flashfsdp_state"):
+        raise ValueError(f"fully_shard: {type(module).__name__} is already fully_shard'ed; call fully_shard once per module")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("fully_shard: CPUOffloadPolicy is not supported yet; pass offload_policy=None")
+    if communicator not in _COMMUNICATOR_KINDS and not isinstance(communicator, Communicator):
+        raise ValueError(f"fully_shard: communicator must be one of {_COMMUNICATOR_KINDS} or a Communicator, got {communicator!r}")
+    ignored = {id(p) for p in (ignored_params or ())}
+    params, fqns, registrations = _collect_params(module, ignored)
+    device = _unit_device(module, params, mesh)
+    comm = _make_communicator(mesh, communicator, device)
+    # Named by class here; the root renames every unit by its qualified name at lazy init.
+    unit = ShardedUnit(
+        type(module).__name__, params, fqns, comm, device,
+        param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+    )
+    cls = module.__class__
+    module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__dict__["_flashfsdp_state"] = FSDPState(module, unit, registrations, mp_policy, reshard_after_forward)
+    return module
+
+
+def _collect_params(module: nn.Module, ignored: set[int]):
+    """The unit's parameters (deduplicated), their names, and every registration of each."""
+    nested = []
+    index: dict[int, int] = {}
+    params, fqns, registrations = [], [], []
+    stack = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
+        for name, param in mod._parameters.items():
+            if param is None or id(param) in ignored:
+                continue
+            fqn = f"{prefix}{name}"
+            if hasattr(param, "_flashfsdp_fqn"):
+                raise ValueError(
+                    f"fully_shard: parameter '{fqn}' already belongs to another unit "
+                    f"('{param._flashfsdp_fqn}'); call fully_shard bottom-up: inner modules first, then their parents"
+                )
+            if not param.is_floating_point():
+                raise TypeError(
+                    f"fully_shard: parameter '{fqn}' has dtype {param.dtype}; only floating-point parameters "
+                    f"are sharded: pass it in ignored_params or register it as a buffer"
+                )
+            if id(param) in index:
+                registrations[index[id(param)]].append((mod, name))
+                continue
+            index[id(param)] = len(params)
+            params.append(param)
+            fqns.append(fqn)
+            registrations.append([(mod, name)])
+        for name, child in reversed(list(mod._modules.items())):
+            if child is None:
+                continue
+            if hasattr(child, "_flashfsdp_state"):
+                nested.append((f"{prefix}{name}", child._flashfsdp_state.unit))
+                continue
+            stack.append((f"{prefix}{name}.", child))
+    for child_name, child_unit in nested:
+        for i, p in enumerate(params):
+            if id(p) in child_unit.original_param_ids:
+                raise ValueError(
+                    f"fully_shard: parameter '{fqns[i]}' is shared with the unit at '{child_name}' (e.g. tied "
+                    f"embeddings); shared parameters must live in one unit: do not fully_shard "
+                    f"'{child_name}' on its own, let a module that contains every user of the parameter own it"
+                )
+    return params, fqns, registrations
+
+
+def _unit_device(module: nn.Module, params: list[nn.Parameter], mesh) -> torch.device:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"fully_shard: {type(module).__name__} has parameters on several devices "
+            f"({sorted(map(str, devices))}); move the module to one device first (module.to(device))"
+        )
+    if devices:
+        device = devices.pop()
+    elif mesh is not None:
+        device = torch.device(mesh.device_type)
+    else:
+        device = torch.device("cpu")
+    if device.type == "meta":
+        raise ValueError(f"fully_shard: {type(module).__name__} has parameters on the meta device; materialise them first")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _make_communicator(mesh, communicator, device: torch.device) -> Communicator:
+    if isinstance(communicator, Communicator):
+        return communicator
+    if mesh is not None:
+        if getattr(mesh, "ndim", None) != 1:
+            raise ValueError(
+                f"fully_shard: mesh must be a 1-D DeviceMesh, got {getattr(mesh, 'ndim', type(mesh).__name__)} "
+                f"dimensions; pass a 1-D mesh (2-D HSDP meshes are not supported yet)"
+            )
+        if mesh.device_type != device.type:
+            raise ValueError(
+                f"fully_shard: mesh is of device type '{mesh.device_type}' but the module's parameters are on "
+                f"{device}; build the mesh with init_device_mesh('{device.type}', ...) or move the module"
+            )
+        group = mesh.get_group()
+    elif dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world > 1:
+            raise RuntimeError(
+                f"fully_shard: WORLD_SIZE={world} but torch.distributed is not initialised; call "
+                f"torch.distributed.init_process_group() before fully_shard (W = 1 needs no process group)"
+            )
+        return LocalCommunicator()
+    kind = communicator
+    if kind == "auto":
+        kind = "nccl" if device.type == "cuda" else "process_group"
+    if kind == "process_group":
+        from flashfsdp.runtime.process_group import ProcessGroupCommunicator  # noqa: PLC0415
+
+        return ProcessGroupCommunicator(group)
+    # One NCCL communicator per (group, device), shared by every unit: creating one is expensive.
+    key = (id(group), str(device))
+    cached = _nccl_cache.get(key)
+    if cached is None or cached.group is not group:
+        from flashfsdp.runtime.nccl import NcclCommunicator  # noqa: PLC0415
+
+        cached = _nccl_cache[key] = NcclCommunicator(group, device)
+    return cached

@@ -1,0 +1,249 @@
+"""FSDPState: one fully_shard'ed module's hooks, training state and parameter swapping.
+
+Each ``fully_shard(module)`` call attaches one FSDPState (``module._flashfsdp_state``) holding the
+runtime's ShardedUnit. The first state whose forward runs becomes the root: it lazily gathers every
+state in its subtree into one :class:`RootContext` (execution order, prefetch policy, reductions in
+flight) and queues the final callback of every backward.
+
+Module parameters: outside forward/backward each registration ``(submodule, name)`` holds the
+sharded local piece; from unshard to reshard it holds the full-shape view into the unsharded
+buffer (swapped in ``_parameters`` directly, as FSDP2's ``unsafe_setattr_param`` does).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
+from flashfsdp.runtime.unit import PendingReduce, ShardedUnit, ShardState
+
+from .autograd import apply_to_tensors, in_backward, queue_final_callback
+from .mixed_precision import MixedPrecisionPolicy
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the current step."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+@dataclass
+class RootContext:
+    """What every unit under one root shares during a step."""
+
+    root: "FSDPState"
+    states: list["FSDPState"]
+    order: ExecutionOrder = field(default_factory=ExecutionOrder)
+    policy: PrefetchPolicy = field(default_factory=PrefetchPolicy)
+    pending: list[PendingReduce] = field(default_factory=list)
+    prefetched: set = field(default_factory=set)
+    callback_queued: bool = False
+
+    def finish_pending(self) -> None:
+        """Wait for every reduce-scatter in flight and accumulate its result."""
+        pending, self.pending = self.pending, []
+        for p in pending:
+            p.finish()
+
+
+class FSDPState:
+    """The state of one fully_shard'ed module.
+
+    Args:
+        module: the module (its class is already the FSDPModule subclass).
+        unit: the runtime unit holding its parameters.
+        registrations: per unit parameter, every ``(submodule, attribute name)`` that refers to it
+            (more than one for shared parameters such as tied embeddings).
+        mp_policy: the mixed-precision policy.
+        reshard_after_forward: free the unsharded parameters after forward (re-gather in backward).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        unit: ShardedUnit,
+        registrations: list[list[tuple[nn.Module, str]]],
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool,
+    ):
+        self.module = module
+        self.unit = unit
+        self.registrations = registrations
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.training_state = TrainingState.IDLE
+        self.ctx: RootContext | None = None
+        self.explicit_forward_prefetch: list[FSDPState] | None = None
+        self.explicit_backward_prefetch: list[FSDPState] | None = None
+        # The registrations still hold the original full parameters: install the pieces.
+        self.holds_unsharded = True
+        self._swap(False)
+        self.hook_handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, prepend=False),
+        ]
+
+    def __repr__(self) -> str:
+        return f"FSDPState({self.unit.name!r})"
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    # ------------------------------------------------------------------ parameters
+    def _swap(self, unsharded: bool) -> None:
+        if self.holds_unsharded == unsharded:
+            return
+        get = self.unit.unsharded_param if unsharded else self.unit.sharded_param
+        for i, regs in enumerate(self.registrations):
+            param = get(i)
+            for mod, name in regs:
+                mod._parameters[name] = param
+        self.holds_unsharded = unsharded
+
+    def unshard(self) -> None:
+        """Issue this unit's all-gather (asynchronous) if it is sharded."""
+        self.unit.unshard()
+
+    def wait_unshard(self) -> None:
+        """Wait for this unit's all-gather and give the module its unsharded parameters."""
+        self.unit.wait_unshard()
+        self._swap(True)
+        if self.ctx is not None:
+            self.ctx.prefetched.discard(self)
+
+    def reshard(self) -> None:
+        """Give the module its sharded pieces back and free the unsharded storage."""
+        self._swap(False)
+        self.unit.reshard()
+        if self.ctx is not None:
+            self.ctx.prefetched.discard(self)
+
+    # ------------------------------------------------------------------ lazy init
+    def _lazy_init(self) -> None:
+        if self.ctx is not None:
+            return
+        states = [m._flashfsdp_state for m in self.module.modules() if hasattr(m, "_flashfsdp_state")]
+        ctx = RootContext(root=self, states=states)
+        names = {id(m): n for n, m in self.module.named_modules()}
+        for state in states:
+            state.ctx = ctx
+            state.unit.name = names[id(state.module)] or "<root>"
+        # Backward starts with the root's parameters: keep them after forward (FSDP2 does too).
+        self.reshard_after_forward = False
+
+    def _prefetch(self, targets: list["FSDPState"]) -> None:
+        ctx = self.ctx
+        candidates = [t for t in targets if t.unit.state is ShardState.SHARDED]
+        for target in ctx.policy.admit(candidates, len(ctx.prefetched)):
+            target.unshard()
+            ctx.prefetched.add(target)
+
+    # ------------------------------------------------------------------ forward hooks
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if in_backward():
+            # Activation recomputation inside backward: parameters are needed, hooks are not.
+            self.wait_unshard()
+            return args, kwargs
+        self._lazy_init()
+        ctx = self.ctx
+        if self.is_root:
+            ctx.finish_pending()
+            ctx.order.start_step()
+        self._check_input_devices(args, kwargs)
+        self.training_state = TrainingState.FORWARD
+        ctx.order.record(self)
+        self.wait_unshard()
+        self._prefetch(ctx.policy.forward_targets(self, ctx.order, self.explicit_forward_prefetch))
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        if self.unit.groups and any(g.requires_grad for g in self.unit.groups):
+            args, kwargs = apply_to_tensors(self._post_backward, (args, kwargs))
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output):
+        if in_backward():
+            return output
+        if not torch.is_grad_enabled() or self.reshard_after_forward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        output = apply_to_tensors(self._pre_backward, output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _check_input_devices(self, args: tuple, kwargs: dict) -> None:
+        device = self.unit.device
+        for t in _tensors((args, kwargs)):
+            if t.device != device and not (t.device.type == "cpu" and t.dim() == 0):
+                raise ValueError(
+                    f"fully_shard module '{self.unit.name}' got a forward input on {t.device} but its "
+                    f"parameters are on {device}: move the inputs to {device} first"
+                )
+
+    # ------------------------------------------------------------------ backward hooks
+    def _pre_backward(self) -> None:
+        ctx = self.ctx
+        if self.is_root and not ctx.callback_queued:
+            ctx.callback_queued = True
+            queue_final_callback(self._final_callback)
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.wait_unshard()
+        self._prefetch(ctx.policy.backward_targets(self, ctx.order, self.explicit_backward_prefetch))
+
+    def _post_backward(self) -> None:
+        if self.training_state is TrainingState.POST_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        ctx = self.ctx
+        if self.requires_gradient_sync:
+            pending = self.unit.reduce_grads()
+            # Earlier reductions had this unit's backward to run behind: finish them now.
+            ctx.finish_pending()
+            ctx.pending.extend(pending)
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _final_callback(self) -> None:
+        ctx = self.ctx
+        for state in ctx.states:
+            if state.training_state is TrainingState.PRE_BACKWARD or (
+                state.training_state is TrainingState.IDLE and state.unit.has_unsharded_grads()
+                and state.requires_gradient_sync
+            ):
+                state._post_backward()
+            elif state.holds_unsharded and state.reshard_after_backward and state.unit.state is not ShardState.SHARDED:
+                state.reshard()
+            state.training_state = TrainingState.IDLE
+        for state in list(ctx.prefetched):
+            state.reshard()
+        ctx.finish_pending()
+        streams = self.unit.streams
+        streams.wait_for_reduce_scatter()
+        streams.release_held()
+        ctx.callback_queued = False
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves  # noqa: PLC0415
+
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    return tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x,
+        tree,
+    )

@@ -1,0 +1,121 @@
+"""The Communicator interface, its Work handles, and the single-rank communicator.
+
+A communicator runs the five collectives the runtime needs. Each returns a :class:`Work`; its
+``wait()`` makes the caller's current CUDA stream wait for the collective (GPU) or blocks until it
+finished (CPU). Implementations: :class:`LocalCommunicator` (W = 1, no process group),
+``ProcessGroupCommunicator`` (any torch.distributed group) and ``NcclCommunicator`` (NCCL through
+CuPy on dedicated CUDA streams).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Literal
+
+import torch
+
+ReduceOpName = Literal["sum", "avg", "max"]
+REDUCE_OPS = ("sum", "avg", "max")
+
+
+class Work(abc.ABC):
+    """Handle of an issued collective."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Make the current stream wait for the collective (GPU), or block until it is done (CPU)."""
+
+
+class CompletedWork(Work):
+    """A Work for a collective that finished when it was issued."""
+
+    def wait(self) -> None:
+        return None
+
+
+class Communicator(abc.ABC):
+    """Collectives over a fixed group of ``world_size`` ranks; this process is ``rank``.
+
+    All tensors are contiguous and on the communicator's device. Element counts: for
+    ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, ``out.numel() == W * inp.numel()``
+    and ``inp.numel() == W * out.numel()`` respectively; ``inp`` may alias its own slice of ``out``
+    (in-place all-gather).
+    """
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        """``out[r·n:(r+1)·n] = inp`` of rank r, for every r (n = inp.numel())."""
+
+    @abc.abstractmethod
+    def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName = "sum") -> Work:
+        """``out = op over ranks of inp[rank·n:(rank+1)·n]`` (n = out.numel())."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> Work:
+        """``tensor = op over ranks of tensor``, in place."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        """``tensor = tensor of rank src``, in place."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Block until every rank reached the barrier."""
+
+
+def check_reduce_op(op: str) -> None:
+    """Raise ValueError unless ``op`` is one of ``"sum"``, ``"avg"``, ``"max"``."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+def check_collective_sizes(name: str, big: torch.Tensor, small: torch.Tensor, world_size: int) -> None:
+    """Raise ValueError unless ``big.numel() == world_size * small.numel()`` and both are contiguous."""
+    if not (big.is_contiguous() and small.is_contiguous()):
+        raise ValueError(f"{name}: tensors must be contiguous")
+    if big.numel() != world_size * small.numel():
+        raise ValueError(
+            f"{name}: the large tensor has {big.numel()} elements but world_size * "
+            f"{small.numel()} = {world_size * small.numel()} are needed"
+        )
+    if big.dtype != small.dtype:
+        raise TypeError(f"{name}: dtypes differ ({big.dtype} vs {small.dtype})")
+
+
+class LocalCommunicator(Communicator):
+    """The collectives of a group of one rank (W = 1): copies, no process group needed.
+
+    Used when ``torch.distributed`` is not initialised, so that a fully_shard'ed model trains in a
+    plain single process.
+    """
+
+    rank = 0
+    world_size = 1
+
+    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        check_collective_sizes("all_gather_into_tensor", out, inp, 1)
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return CompletedWork()
+
+    def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName = "sum") -> Work:
+        check_reduce_op(op)
+        check_collective_sizes("reduce_scatter_tensor", inp, out, 1)
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return CompletedWork()
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> Work:
+        check_reduce_op(op)
+        return CompletedWork()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        if src != 0:
+            raise ValueError(f"broadcast: src must be 0 in a group of one rank, got {src}")
+        return CompletedWork()
+
+    def barrier(self) -> None:
+        return None

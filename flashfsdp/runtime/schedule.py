@@ -1,0 +1,106 @@
+"""Execution order and prefetch decisions: a pure policy over unit keys (no tensors).
+
+The runtime (``flashfsdp.bindings``) and the overlap simulator replay the same policy:
+
+- The forward order of units is recorded every step. Implicit **forward prefetch**: when unit u
+  starts its forward, unshard the unit that followed u in the last complete step's order — but only
+  while this step has followed that order so far; a changed order (a branch taken, a unit skipped
+  or run twice) turns implicit prefetch off for the rest of the step and the new order is recorded
+  for the next one, so a prefetch is never a wrong guess.
+- Implicit **backward prefetch**: when unit u starts its backward, unshard the unit that ran
+  before u in this step's forward (backward runs in reverse order).
+- Explicit lists (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``)
+  replace the implicit choice for that unit.
+- At most ``max_inflight`` prefetched units may be unsharded ahead of compute.
+
+Same policy as FSDP2's implicit prefetching (``_fsdp_state.py``) with FSDP1's order validation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+Key = Hashable
+
+
+@dataclass
+class ExecutionOrder:
+    """The forward order of units: this step's (being recorded) and the last complete step's."""
+
+    current: list = field(default_factory=list)
+    previous: list | None = None
+    diverged: bool = False
+
+    def start_step(self) -> None:
+        """Close the step being recorded (it becomes ``previous``) and start a new one."""
+        if self.current:
+            self.previous = self.current
+        self.current = []
+        self.diverged = False
+
+    def record(self, key: Key) -> None:
+        """Note that ``key`` started its forward (first call per step counts; re-runs are kept too)."""
+        self.current.append(key)
+        prev = self.previous
+        pos = len(self.current) - 1
+        if prev is None or pos >= len(prev) or prev[pos] != key:
+            self.diverged = True
+
+    def next_forward(self, key: Key) -> Key | None:
+        """The unit after ``key`` in the previous step, if this step has followed it so far."""
+        prev = self.previous
+        if prev is None or self.diverged:
+            return None
+        pos = len(self.current) - 1
+        if pos < 0 or self.current[pos] != key or pos + 1 >= len(prev):
+            return None
+        return prev[pos + 1]
+
+    def previous_in_forward(self, key: Key) -> Key | None:
+        """The unit that ran its (last) forward just before ``key``'s last forward this step."""
+        order = self.current
+        for pos in range(len(order) - 1, -1, -1):
+            if order[pos] == key:
+                return order[pos - 1] if pos > 0 else None
+        return None
+
+
+@dataclass
+class PrefetchPolicy:
+    """Which units to unshard ahead of compute.
+
+    Attributes:
+        forward: implicit forward prefetch on/off.
+        backward: implicit backward prefetch on/off.
+        max_inflight: most units prefetched ahead of compute at once (>= 0).
+
+    An explicit list given to ``forward_targets``/``backward_targets`` replaces the implicit choice.
+    """
+
+    forward: bool = True
+    backward: bool = True
+    max_inflight: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
+
+    def forward_targets(self, key: Key, order: ExecutionOrder, explicit: Sequence[Key] | None = None) -> list:
+        """Units to prefetch when ``key`` starts its forward (``explicit``, if given, wins)."""
+        if explicit is not None:
+            return list(explicit)
+        nxt = order.next_forward(key) if self.forward else None
+        return [nxt] if nxt is not None and nxt != key else []
+
+    def backward_targets(self, key: Key, order: ExecutionOrder, explicit: Sequence[Key] | None = None) -> list:
+        """Units to prefetch when ``key`` starts its backward (``explicit``, if given, wins)."""
+        if explicit is not None:
+            return list(explicit)
+        prv = order.previous_in_forward(key) if self.backward else None
+        return [prv] if prv is not None and prv != key else []
+
+    def admit(self, targets: Sequence[Key], inflight: int) -> list:
+        """The prefix of ``targets`` that fits under ``max_inflight`` given ``inflight`` prefetched."""
+        room = max(0, self.max_inflight - inflight)
+        return list(targets[:room])

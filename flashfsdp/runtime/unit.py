@@ -1,0 +1,253 @@
+"""ShardedUnit: unshard, reshard and gradient reduction of one unit (no nn.Module knowledge).
+
+One unit is the parameters of one ``fully_shard`` call, grouped into FlatParams by (dtype,
+requires_grad). Its step on rank r (DESIGN.md §2):
+
+1. unshard [all-gather stream]: allocate each group's unsharded buffer, copy-in (cast the shard to
+   ``param_dtype`` into its own slice), all-gather in place. Returns an :class:`AllGatherResult`
+   carrying the work handles; ``wait()`` makes the compute stream wait (GPU) or blocks (CPU).
+2. reshard: free the unsharded storage (see ``streams`` for why no event is needed on free).
+3. reduce_grads [reduce-scatter stream]: one ``flatten`` launch packs every unsharded gradient into
+   a T-element buffer in ``reduce_dtype`` (cast, pre-divide, zero padding, zeros where no gradient);
+   reduce-scatter into S elements. The returned :class:`PendingReduce` finishes later: one
+   ``accumulate_grad_shard`` launch post-divides, casts and adds into ``sharded_grad`` and returns
+   the shard's squared norm and inf/nan flag from the same pass.
+
+[Note: pre-divide and post-divide]
+Summing W gradients in a low-precision ``reduce_dtype`` can overflow (fp16) or lose digits; so the
+gradients are scaled by 1/f_pre before the reduction and by 1/f_post after it, f_pre·f_post = W,
+with f_pre the power of two near sqrt(W) (FSDP1, ``_get_gradient_predivide_factor``). In fp32 the
+whole division happens after the sum (f_pre = 1), as a single-process mean would.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from flashfsdp.kernels import accumulate_grad_shard, flatten
+
+from .communicator import Communicator, Work
+from .flat_param import FlatParam
+from .layout import align_elements
+from .streams import DeviceStreams, streams_for
+
+
+class ShardState(enum.Enum):
+    """Whether a unit's parameters are sharded, being gathered, or unsharded."""
+
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"
+    UNSHARDED = "unsharded"
+
+
+def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """(f_pre, f_post) with f_pre·f_post = W; f_pre = 1 for fp32/fp64 reductions.
+
+    Source: FSDP1 ``_get_gradient_predivide_factor`` (fairscale's ``gradient_predivide_factor``).
+    """
+    if reduce_dtype in (torch.float32, torch.float64) or world_size == 1:
+        return 1.0, float(world_size)
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor), world_size / factor
+
+
+@dataclass
+class AllGatherResult:
+    """The all-gathers of one unshard, with the event that ends its copy-ins (DESIGN.md §9).
+
+    [Note: version counters]
+    The unsharded parameters share their version counter with the unsharded buffer. Torch ops
+    that write the buffer (the copy-in, gloo's all-gather, which copies on its worker thread
+    until ``wait()``) bump it, which would invalidate the tensors autograd saved in forward; the
+    counters are restored once the all-gather is waited on (FSDP2 does the same for its copy-out
+    with ``torch.autograd._unsafe_preserve_version_counter``). NCCL and Triton writes bypass it.
+    """
+
+    works: list[Work]
+    buffers: list[torch.Tensor]
+    versions: list[int]
+    event: "torch.cuda.Event | None" = None
+
+    def wait(self) -> None:
+        """Make the current stream wait on the all-gathers (GPU) or block until done (CPU)."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.buffers:
+            torch._C._autograd._unsafe_set_version_counter(tuple(self.buffers), tuple(self.versions))
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight and what is needed to accumulate its result."""
+
+    unit: "ShardedUnit"
+    group: FlatParam
+    work: Work
+    output: torch.Tensor
+    accumulate: bool
+    post_scale: float
+    keepalive: list = field(default_factory=list)
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatter and accumulate into ``sharded_grad`` (fused norm and flag)."""
+        streams = self.unit.streams
+        with streams.use(streams.reduce_scatter):
+            self.work.wait()
+            grad = self.group.sharded_grad_buffer()
+            sq_norm, nonfinite = accumulate_grad_shard(
+                self.output, grad, scale=self.post_scale, accumulate=self.accumulate
+            )
+        self.group.grad_stats = (sq_norm, nonfinite, grad._version)
+        self.group.expose_grads()
+        self.keepalive.clear()
+
+
+class ShardedUnit:
+    """The sharded parameters of one unit on one rank, and its collectives.
+
+    Args:
+        name: the unit's name in errors and traces (e.g. the module's qualified name).
+        params: the unit's original full parameters (deduplicated), identical on every rank.
+        fqns: a fully-qualified name per parameter.
+        communicator: the collectives over the unit's ranks.
+        device: the device of the shard and the buffers.
+        param_dtype: dtype of the unsharded parameters (None: each parameter's own dtype).
+        reduce_dtype: dtype of the gradient reduction (None: ``param_dtype``).
+
+    A unit with no parameters is allowed: its unshard and reduction do nothing.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        params: Sequence[torch.Tensor],
+        fqns: Sequence[str],
+        communicator: Communicator,
+        device: torch.device,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        self.name = name
+        self.comm = communicator
+        self.device = device
+        self.streams: DeviceStreams = streams_for(device)
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        # ids of the original parameters this unit took over (to detect sharing with other units)
+        self.original_param_ids = {id(p) for p in params}
+        keys: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for i, p in enumerate(params):
+            keys.setdefault((p.dtype, p.requires_grad), []).append(i)
+        self.groups: list[FlatParam] = []
+        # index of each parameter -> (group, position in group)
+        self.param_slots: list[tuple[FlatParam, int]] = [None] * len(params)  # type: ignore[list-item]
+        for (dtype, _), idx in keys.items():
+            pdt = param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
+            align = align_elements([dtype.itemsize, pdt.itemsize, (reduce_dtype or pdt).itemsize])
+            group = FlatParam(
+                [params[i] for i in idx], [fqns[i] for i in idx], rank=communicator.rank,
+                world_size=communicator.world_size, param_dtype=pdt, device=device, align=align,
+            )
+            self.groups.append(group)
+            for pos, i in enumerate(idx):
+                self.param_slots[i] = (group, pos)
+        self.state = ShardState.SHARDED
+        self._all_gather: AllGatherResult | None = None
+        for group in self.groups:
+            for param in group.sharded_params:
+                param._flashfsdp_unit = self
+                param._flashfsdp_group = group
+
+    # ------------------------------------------------------------------ params
+    def unsharded_param(self, i: int) -> torch.nn.Parameter:
+        """The full-shape view of parameter ``i`` into its group's unsharded buffer."""
+        group, pos = self.param_slots[i]
+        return group.unsharded_params[pos]
+
+    def sharded_param(self, i: int) -> torch.nn.Parameter:
+        """Parameter ``i``'s local piece (a 1-D view into the master shard)."""
+        group, pos = self.param_slots[i]
+        return group.sharded_params[pos]
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def unshard(self) -> AllGatherResult | None:
+        """Issue copy-in + all-gather of every group (asynchronous); None if already unsharded."""
+        if self.state is not ShardState.SHARDED:
+            return self._all_gather
+        works = []
+        buffers = [g.unsharded_flat for g in self.groups]
+        versions = [b._version for b in buffers]
+        with self.streams.use(self.streams.all_gather), torch.no_grad():
+            for group in self.groups:
+                group.alloc_unsharded()
+                group.copy_in()
+                works.append(self.comm.all_gather_into_tensor(group.unsharded_flat, group.shard_slice_of_unsharded()))
+            event = self.streams.record(self.streams.all_gather)
+        self._all_gather = AllGatherResult(works, buffers, versions, event)
+        self.state = ShardState.UNSHARDING
+        return self._all_gather
+
+    def wait_unshard(self) -> None:
+        """Make the current stream wait for the unshard in flight (issuing it if none is)."""
+        if self.state is ShardState.SHARDED:
+            self.unshard()
+        if self.state is ShardState.UNSHARDING:
+            self._all_gather.wait()
+            self._all_gather = None
+            self.state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded storage (waiting first for an all-gather still in flight)."""
+        if self.state is ShardState.UNSHARDING:
+            self.wait_unshard()
+        for group in self.groups:
+            group.free_unsharded()
+        self.state = ShardState.SHARDED
+
+    # ------------------------------------------------------------------ gradients
+    def reduce_grads(self) -> list[PendingReduce]:
+        """Pack, reduce-scatter (asynchronously) the unsharded gradients of every trainable group.
+
+        The unsharded parameters' ``.grad`` are released (set to None). Returns one PendingReduce per
+        group that had a gradient; call ``finish()`` on each before reading ``sharded_grad``.
+        """
+        pending = []
+        for group in self.groups:
+            if not group.requires_grad:
+                continue
+            grads = [p.grad for p in group.unsharded_params]
+            if all(g is None for g in grads):
+                continue
+            reduce_dtype = self.reduce_dtype or group.param_dtype
+            f_pre, f_post = gradient_divide_factors(self.comm.world_size, reduce_dtype)
+            accumulate = group.prepare_grad_accumulation()
+            S, T = group.layout.shard_size, group.layout.total
+            with self.streams.use(self.streams.reduce_scatter), torch.no_grad():
+                packed = torch.empty(T, dtype=reduce_dtype, device=self.device)
+                flatten(grads, list(group.layout.offsets), packed, scale=1.0 / f_pre, numels=list(group.layout.numels))
+                self.streams.hold_until_passed(self.streams.record(self.streams.reduce_scatter), grads)
+                output = torch.empty(S, dtype=reduce_dtype, device=self.device)
+                work = self.comm.reduce_scatter_tensor(output, packed, op="sum")
+            for p in group.unsharded_params:
+                p.grad = None
+            pending.append(PendingReduce(self, group, work, output, accumulate, 1.0 / f_post, keepalive=[packed]))
+        return pending
+
+    def has_unsharded_grads(self) -> bool:
+        """Whether any unsharded parameter holds a gradient (accumulated without sync)."""
+        return any(p.grad is not None for g in self.groups for p in g.unsharded_params)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now: master shard + gradient shard, and unsharded buffers."""
+        return {
+            "sharded": sum(g.sharded_nbytes() for g in self.groups),
+            "unsharded": sum(g.unsharded_flat.untyped_storage().nbytes() for g in self.groups),
+            "unsharded_max": sum(g.unsharded_nbytes for g in self.groups),
+        }
