@@ -1,0 +1,67 @@
+"""Compile every kernel for an H100 (sm_90) without a GPU and report its global memory accesses.
+
+Run as ``TRITON_INTERPRET=0 python -m tests.kernels.compile_for_gpu``: prints one JSON object
+mapping ``kernel[variant]`` to the sorted ``ld.global`` / ``st.global`` PTX instructions it uses.
+The Triton wheel ships the NVIDIA backend and ptxas, so this checks on a CPU-only machine that the
+kernels build for a real GPU and that their hot paths use 16-byte vector accesses (``.v4.b32``).
+"""
+
+import importlib
+import json
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# import_module returns the op modules themselves (the package attributes of the same names are
+# the public functions).
+flatten = importlib.import_module("flashfsdp.kernels.flatten")
+unflatten = importlib.import_module("flashfsdp.kernels.unflatten")
+accumulate_grad_shard = importlib.import_module("flashfsdp.kernels.accumulate_grad_shard")
+
+TARGET = GPUTarget("cuda", 90, 32)
+DIVISIBLE_16 = [["tt.divisibility", 16]]
+
+
+def compile_kernel(fn, signature, constexprs, divisible, num_warps):
+    """PTX global loads and stores of ``fn`` compiled for :data:`TARGET`."""
+    names = list(signature)
+    attrs = {(names.index(name),): DIVISIBLE_16 for name in divisible}
+    source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                       constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False})
+    ptx = compiled.asm["ptx"]
+    return sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", ptx)))
+
+
+def main():
+    report = {}
+    for dtype in ("fp32", "bf16", "fp16"):
+        report[f"flatten[out={dtype}]"] = compile_kernel(
+            flatten.flatten_kernel,
+            {"table_ptr": "*i64", "n_segments": "i32", "out_ptr": f"*{dtype}", "scale": "fp32"},
+            {"BLOCK": flatten.BLOCK, "APPLY_SCALE": True}, ["table_ptr", "out_ptr"], flatten.NUM_WARPS)
+        report[f"unflatten[flat={dtype}]"] = compile_kernel(
+            unflatten.unflatten_kernel,
+            {"table_ptr": "*i64", "n_segments": "i32", "flat_ptr": f"*{dtype}"},
+            {"BLOCK": unflatten.BLOCK}, ["table_ptr", "flat_ptr"], unflatten.NUM_WARPS)
+    for src, dst, n_type in (("fp32", "fp32", "i32"), ("bf16", "fp32", "i64"), ("fp32", "bf16", "i32")):
+        report[f"accumulate[{src}->{dst},n={n_type}]"] = compile_kernel(
+            accumulate_grad_shard.accumulate_kernel,
+            {"src_ptr": f"*{src}", "dst_ptr": f"*{dst}", "partial_sum_ptr": "*fp32", "partial_flag_ptr": "*i32",
+             "n": n_type, "scale": "fp32"},
+            {"BLOCK": accumulate_grad_shard.BLOCK, "ACCUMULATE": True, "APPLY_SCALE": True},
+            ["src_ptr", "dst_ptr", "partial_sum_ptr", "partial_flag_ptr", "n"], accumulate_grad_shard.NUM_WARPS)
+    report["finalize"] = compile_kernel(
+        accumulate_grad_shard.finalize_kernel,
+        {"partial_sum_ptr": "*fp32", "partial_flag_ptr": "*i32", "n_partials": "i32", "norm_sq_ptr": "*fp32",
+         "flag_ptr": "*u8"},
+        {"BLOCK": accumulate_grad_shard.FINALIZE_BLOCK}, ["partial_sum_ptr", "partial_flag_ptr"],
+        accumulate_grad_shard.FINALIZE_WARPS)
+    json.dump(report, sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Fixtures of the kernel tests: the device the Triton kernels serve, and the three ways to run an op.
+
+Every op test runs on:
+- ``triton``: the public op with the dispatcher forced onto the Triton launcher (the interpreter on
+  CPU by default; compiled kernels on CUDA when run with ``TRITON_INTERPRET=0`` on a GPU machine);
+- ``reference``: the public op with the dispatcher forced onto the reference;
+- ``reference-direct``: the functions of ``flashfsdp.kernels.reference`` called directly.
+"""
+
+import types
+
+import pytest
+import torch
+
+import flashfsdp.kernels as kernels
+from flashfsdp.kernels import dispatch, reference
+
+PATHS = ("triton", "reference", "reference-direct")
+
+
+def kernel_device() -> torch.device:
+    """Where the tests put their tensors: the device the Triton kernels run on in this process."""
+    return torch.device(dispatch.triton_device_type() or "cpu")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return kernel_device()
+
+
+def _ops(path: str):
+    module = reference if path == "reference-direct" else kernels
+    return types.SimpleNamespace(
+        path=path,
+        flatten=module.flatten,
+        unflatten=module.unflatten,
+        accumulate_grad_shard=module.accumulate_grad_shard,
+    )
+
+
+@pytest.fixture(params=PATHS)
+def ops(request):
+    """A namespace with ``flatten``, ``unflatten``, ``accumulate_grad_shard`` run on one path."""
+    path = request.param
+    if path == "triton" and dispatch.triton_device_type() is None:
+        pytest.skip("triton cannot be imported")
+    backend = None if path == "reference-direct" else path
+    with dispatch.use_backend(backend):
+        yield _ops(path)
+
+
+@pytest.fixture
+def triton_ops():
+    """The ops on the Triton path only (for the costlier cases, run once rather than per path)."""
+    if dispatch.triton_device_type() is None:
+        pytest.skip("triton cannot be imported")
+    with dispatch.use_backend("triton"):
+        yield _ops("triton")

@@ -1,0 +1,100 @@
+"""Bad input raises a TypeError / ValueError naming the op and the argument, on every path."""
+
+import pytest
+import torch
+
+
+def f32(*shape, device="cpu"):
+    return torch.zeros(shape, device=device)
+
+
+# (id, op name, arguments builder(device) -> (args, kwargs), exception, message pattern)
+CASES = [
+    ("flatten-overlap", "flatten", lambda d: (([f32(12, device=d), f32(4, device=d)], [0, 10], f32(20, device=d)), {}),
+     ValueError, r"flatten: offsets\[1\]=10 overlaps tensors\[0\] which covers \[0, 12\)"),
+    ("flatten-overlap-unsorted", "flatten",
+     lambda d: (([f32(30, device=d), f32(4, device=d), f32(5, device=d)], [100, 0, 120], f32(140, device=d)), {}),
+     ValueError, r"flatten: offsets\[2\]=120 overlaps tensors\[0\] which covers \[100, 130\)"),
+    ("flatten-negative-offset", "flatten", lambda d: (([f32(2, device=d)], [-1], f32(4, device=d)), {}),
+     ValueError, r"flatten: offsets\[0\]=-1 is negative"),
+    ("flatten-past-end", "flatten", lambda d: (([f32(3, device=d)], [2], f32(4, device=d)), {}),
+     ValueError, r"flatten: offsets\[0\]=2 with tensors\[0\] of 3 elements ends at 5, past out.numel\(\)=4"),
+    ("flatten-int-tensor", "flatten", lambda d: (([f32(1, device=d), torch.zeros(2, dtype=torch.int64, device=d)], [0, 1], f32(4, device=d)), {}),
+     TypeError, r"flatten: tensors\[1\] has non-floating dtype torch.int64"),
+    ("flatten-float64-tensor", "flatten", lambda d: (([f32(2, device=d).double()], [0], f32(4, device=d)), {}),
+     TypeError, r"flatten: tensors\[0\] has floating dtype torch.float64; only .* float32, bfloat16 and float16"),
+    ("flatten-int-out", "flatten", lambda d: (([f32(2, device=d)], [0], torch.zeros(4, dtype=torch.int32, device=d)), {}),
+     TypeError, r"flatten: out has non-floating dtype torch.int32"),
+    ("flatten-2d-out", "flatten", lambda d: (([f32(2, device=d)], [0], f32(2, 2, device=d)), {}),
+     ValueError, r"flatten: out must be 1-D, got shape \(2, 2\)"),
+    ("flatten-strided-out", "flatten", lambda d: (([f32(2, device=d)], [0], f32(8, device=d)[::2]), {}),
+     ValueError, r"flatten: out must be contiguous"),
+    ("flatten-other-device", "flatten", lambda d: (([f32(2, device="meta")], [0], f32(4, device=d)), {}),
+     ValueError, r"flatten: tensors\[0\] is on meta but out is on"),
+    ("flatten-too-few-offsets", "flatten", lambda d: (([f32(2, device=d), f32(2, device=d)], [0], f32(4, device=d)), {}),
+     ValueError, r"flatten: got 2 tensors but 1 offsets"),
+    ("flatten-too-few-numels", "flatten", lambda d: (([f32(2, device=d), None], [0, 2], f32(4, device=d)), {"numels": [2]}),
+     ValueError, r"flatten: got 2 tensors but 1 numels"),
+    ("flatten-wrong-numel", "flatten", lambda d: (([f32(2, device=d)], [0], f32(4, device=d)), {"numels": [3]}),
+     ValueError, r"flatten: numels\[0\]=3 but tensors\[0\] has 2 elements"),
+    ("flatten-negative-numel", "flatten", lambda d: (([None], [0], f32(4, device=d)), {"numels": [-2]}),
+     ValueError, r"flatten: numels\[0\]=-2 is negative"),
+    ("flatten-none-past-end", "flatten", lambda d: (([None], [1], f32(4, device=d)), {"numels": [4]}),
+     ValueError, r"flatten: offsets\[0\]=1 with tensors\[0\] of 4 elements ends at 5"),
+    ("flatten-not-a-tensor", "flatten", lambda d: (([[1.0, 2.0]], [0], f32(4, device=d)), {}),
+     TypeError, r"flatten: tensors\[0\] must be a torch.Tensor, got list"),
+    ("flatten-float-offset", "flatten", lambda d: (([f32(2, device=d)], [1.5], f32(4, device=d)), {}),
+     TypeError, r"flatten: offsets\[0\] must be an int, got float"),
+    ("flatten-nan-scale", "flatten", lambda d: (([f32(2, device=d)], [0], f32(4, device=d)), {"scale": float("nan")}),
+     ValueError, r"flatten: scale must be finite"),
+    ("flatten-string-scale", "flatten", lambda d: (([f32(2, device=d)], [0], f32(4, device=d)), {"scale": "2"}),
+     TypeError, r"flatten: scale must be a Python float, got str"),
+    ("flatten-out-not-a-tensor", "flatten", lambda d: (([f32(2, device=d)], [0], [0.0] * 4), {}),
+     TypeError, r"flatten: out must be a torch.Tensor, got list"),
+    ("flatten-partial-alias", "flatten", lambda d: (lambda out: (([out[1:3]], [2], out), {}))(f32(8, device=d)),
+     ValueError, r"flatten: tensors\[0\] shares memory with out without being exactly out\[2:4\]"),
+    ("unflatten-past-end", "unflatten", lambda d: ((f32(10, device=d), [0, 8], [f32(2, device=d), f32(3, device=d)]), {}),
+     ValueError, r"unflatten: offsets\[1\]=8 with outs\[1\] of 3 elements ends at 11, past flat.numel\(\)=10"),
+    ("unflatten-negative-offset", "unflatten", lambda d: ((f32(10, device=d), [-3], [f32(2, device=d)]), {}),
+     ValueError, r"unflatten: offsets\[0\]=-3 is negative"),
+    ("unflatten-int-out", "unflatten", lambda d: ((f32(10, device=d), [0], [torch.zeros(2, dtype=torch.int8, device=d)]), {}),
+     TypeError, r"unflatten: outs\[0\] has non-floating dtype torch.int8"),
+    ("unflatten-int-flat", "unflatten", lambda d: ((torch.zeros(4, dtype=torch.int64, device=d), [0], [f32(2, device=d)]), {}),
+     TypeError, r"unflatten: flat has non-floating dtype torch.int64"),
+    ("unflatten-strided-flat", "unflatten", lambda d: ((f32(8, device=d)[::2], [0], [f32(2, device=d)]), {}),
+     ValueError, r"unflatten: flat must be contiguous"),
+    ("unflatten-2d-flat", "unflatten", lambda d: ((f32(2, 4, device=d), [0], [f32(2, device=d)]), {}),
+     ValueError, r"unflatten: flat must be 1-D"),
+    ("unflatten-length-mismatch", "unflatten", lambda d: ((f32(8, device=d), [0, 2, 4], [f32(2, device=d)]), {}),
+     ValueError, r"unflatten: got 1 outs but 3 offsets"),
+    ("unflatten-other-device", "unflatten", lambda d: ((f32(8, device=d), [0], [f32(2, device="meta")]), {}),
+     ValueError, r"unflatten: outs\[0\] is on meta but flat is on"),
+    ("unflatten-partial-alias", "unflatten", lambda d: (lambda flat: ((flat, [0], [flat[1:3]]), {}))(f32(8, device=d)),
+     ValueError, r"unflatten: outs\[0\] shares memory with flat"),
+    ("accumulate-numel-mismatch", "accumulate_grad_shard", lambda d: ((f32(4, 3, device=d), f32(10, device=d)), {}),
+     ValueError, r"accumulate_grad_shard: src has 12 elements \(shape \(4, 3\)\) but dst has 10"),
+    ("accumulate-int-src", "accumulate_grad_shard", lambda d: ((torch.zeros(3, dtype=torch.int32, device=d), f32(3, device=d)), {}),
+     TypeError, r"accumulate_grad_shard: src has non-floating dtype torch.int32"),
+    ("accumulate-float64-dst", "accumulate_grad_shard", lambda d: ((f32(3, device=d), f32(3, device=d).double()), {}),
+     TypeError, r"accumulate_grad_shard: dst has floating dtype torch.float64"),
+    ("accumulate-other-device", "accumulate_grad_shard", lambda d: ((f32(3, device="meta"), f32(3, device=d)), {}),
+     ValueError, r"accumulate_grad_shard: src is on meta but dst is on"),
+    ("accumulate-partial-alias", "accumulate_grad_shard", lambda d: (lambda b: ((b[1:4], b[0:3]), {}))(f32(8, device=d)),
+     ValueError, r"accumulate_grad_shard: src shares memory with dst"),
+    ("accumulate-inf-scale", "accumulate_grad_shard", lambda d: ((f32(3, device=d), f32(3, device=d)), {"scale": float("inf")}),
+     ValueError, r"accumulate_grad_shard: scale must be finite"),
+]
+
+
+@pytest.mark.parametrize("op_name, build, error, pattern", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_raises_a_clear_error(ops, device, op_name, build, error, pattern):
+    args, kwargs = build(device)
+    with pytest.raises(error, match=pattern):
+        getattr(ops, op_name)(*args, **kwargs)
+
+
+def test_errors_leave_the_output_untouched(ops, device):
+    out = torch.full((8,), 7.0, device=device)
+    with pytest.raises(ValueError):
+        ops.flatten([torch.ones(4, device=device), torch.ones(4, device=device)], [0, 3], out)
+    assert torch.equal(out.cpu(), torch.full((8,), 7.0))

@@ -1,0 +1,126 @@
+"""Backend selection, the package's public names, import without Triton, and GPU compilation."""
+
+import ast
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashfsdp.kernels as kernels
+from flashfsdp.kernels import dispatch, reference, triton_support
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+KERNELS_DIR = REPO / "flashfsdp" / "kernels"
+
+
+def run_python(code, **env):
+    """Run ``code`` in a fresh interpreter at the repository root; return its stdout."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, **env},
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_public_names_are_the_dispatching_functions():
+    import flashfsdp.kernels.flatten  # noqa: F401 - importing an op module must not shadow the op
+    from flashfsdp.kernels import accumulate_grad_shard, flatten, unflatten
+
+    assert kernels.__all__ == ["flatten", "unflatten", "accumulate_grad_shard"]
+    assert (flatten, unflatten, accumulate_grad_shard) == (
+        dispatch.flatten, dispatch.unflatten, dispatch.accumulate_grad_shard)
+    for function in (flatten, unflatten, accumulate_grad_shard):
+        assert "Raises:" in function.__doc__ and "Args:" in function.__doc__
+
+
+def test_automatic_choice_follows_the_kernels_mode():
+    served = dispatch.triton_device_type()
+    expected = "cpu" if triton_support.INTERPRETED else "cuda"
+    assert served == (expected if triton_support.AVAILABLE else None)
+    assert dispatch.select_backend(torch.device("meta")) == "reference"
+    if served is not None:
+        assert dispatch.select_backend(torch.device(served)) == "triton"
+
+
+def test_forcing_a_backend_and_restoring_it():
+    cpu = torch.device("cpu")
+    automatic = dispatch.select_backend(cpu)
+    with dispatch.use_reference():
+        assert dispatch.select_backend(cpu) == "reference"
+        with dispatch.use_backend(None):
+            assert dispatch.select_backend(cpu) == automatic
+        assert dispatch.select_backend(cpu) == "reference"
+    assert dispatch.select_backend(cpu) == automatic
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with dispatch.use_backend("cuda"):
+            pass
+
+
+def test_forcing_triton_where_it_cannot_run_raises():
+    with dispatch.use_triton():
+        with pytest.raises(RuntimeError, match="Triton backend forced"):
+            dispatch.select_backend(torch.device("meta"))
+
+
+def test_forced_reference_really_runs_the_reference(monkeypatch):
+    calls = []
+    monkeypatch.setattr(reference, "flatten", lambda *args, **kwargs: calls.append(args) or args[2])
+    out = torch.zeros(2)
+    with dispatch.use_reference():
+        assert kernels.flatten([torch.ones(2)], [0], out) is out
+    assert len(calls) == 1
+
+
+def test_kernels_import_nothing_from_runtime_or_bindings():
+    for path in KERNELS_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert not name.startswith(("flashfsdp.runtime", "flashfsdp.bindings")), (path, name)
+
+
+def test_works_without_triton():
+    """With ``import triton`` failing, the package imports and every op runs the reference."""
+    output = run_python(
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from flashfsdp.kernels import flatten, unflatten, accumulate_grad_shard, dispatch\n"
+        "out = flatten([torch.ones(2, dtype=torch.bfloat16)], [1], torch.full((4,), float('nan')))\n"
+        "dst = torch.ones(4)\n"
+        "norm_sq, flag = accumulate_grad_shard(out, dst)\n"
+        "print(dispatch.triton_device_type(), dispatch.select_backend(torch.device('cuda')),\n"
+        "      out.tolist(), norm_sq.item(), flag.item())\n",
+        TRITON_INTERPRET="1",
+    )
+    assert output.split() == ["None", "reference", "[0.0,", "1.0,", "1.0,", "0.0]", "10.0", "False"]
+
+
+def ptxas_available():
+    if not triton_support.AVAILABLE:
+        return False
+    bundled = pathlib.Path(triton_support.triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return bundled.exists() or shutil.which("ptxas") is not None
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="needs Triton's NVIDIA backend (ptxas)")
+def test_kernels_compile_for_h100_with_vector_accesses():
+    """The kernels build for sm_90 without a GPU; hot paths use 16-byte loads and stores."""
+    report = json.loads(run_python(
+        "from tests.kernels.compile_for_gpu import main; main()",
+        TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="0",
+    ))
+    assert len(report) == 10
+    for kernel, accesses in report.items():
+        if kernel != "finalize":
+            assert "ld.global.v4.b32" in accesses, (kernel, accesses)
+            assert "st.global.v4.b32" in accesses, (kernel, accesses)
