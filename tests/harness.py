@@ -17,11 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, kernels: str | None, fn, args) -> None:
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, kernels: str | None, backend: str, fn, args) -> None:
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["RANK"] = str(rank)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         if kernels is not None:
             from flashfsdp.kernels.dispatch import use_backend  # noqa: PLC0415
@@ -38,19 +40,21 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, kernels: s
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, kernels: str | None = "reference", timeout: float = 300):
+def run_distributed(fn, world_size: int, *args, kernels: str | None = "reference", backend: str = "gloo",
+                    timeout: float = 300):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
     Args:
         fn: a module-level function (it is pickled by reference).
         world_size: W >= 1.
         kernels: force the kernel backend in the ranks ("reference", "triton") or None (automatic).
+        backend: the torch.distributed backend ("gloo"; "nccl" for GPU tests).
         timeout: seconds before the ranks are killed and the call fails.
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         ctx = mp.start_processes(
-            _worker, args=(world_size, init_file, tmp, kernels, fn, args), nprocs=world_size,
+            _worker, args=(world_size, init_file, tmp, kernels, backend, fn, args), nprocs=world_size,
             join=False, start_method="spawn",
         )
         try:

@@ -41,12 +41,9 @@ class UnshardHandle:
 class FSDPModule:
     """Mixin that ``fully_shard`` adds to a module's class (``FSDP<ClassName>``), as FSDP2 does."""
 
-    def _fsdp_state(self) -> FSDPState:
-        return self.__dict__["_flashfsdp_state"]
-
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters; with ``async_op`` return a handle to ``wait()`` on."""
-        state = self._fsdp_state()
+        state = _state_of(self, "unshard")
         state.unshard()
         handle = UnshardHandle(state)
         if async_op:
@@ -56,11 +53,11 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the unsharded parameters; the module holds its sharded pieces again."""
-        self._fsdp_state().reshard()
+        _state_of(self, "reshard").reshard()
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
-            return [self._fsdp_state()]
+            return [_state_of(self, "FSDPModule")]
         return [m._flashfsdp_state for m in self.modules() if hasattr(m, "_flashfsdp_state")]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -84,17 +81,19 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Unshard these units when this one starts its forward (replaces the implicit choice)."""
-        self._fsdp_state().explicit_forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+        _state_of(self, "set_modules_to_forward_prefetch").explicit_forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Unshard these units when this one starts its backward (replaces the implicit choice)."""
-        self._fsdp_state().explicit_backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+        _state_of(self, "set_modules_to_backward_prefetch").explicit_backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
 
 def _state_of(module: nn.Module, where: str) -> FSDPState:
-    state = getattr(module, "_flashfsdp_state", None)
+    state = module.__dict__.get("_flashfsdp_state") if isinstance(module, nn.Module) else None
     if state is None:
-        raise ValueError(f"{where}: {type(module).__name__} is not a fully_shard'ed module; call fully_shard on it first")
+        raise ValueError(
+            f"{where}: {type(module).__name__} is not a fully_shard'ed module; call flashfsdp.fully_shard on it first"
+        )
     return state
 
 
@@ -230,9 +229,13 @@ def _make_communicator(mesh, communicator, device: torch.device) -> Communicator
     if isinstance(communicator, Communicator):
         return communicator
     if mesh is not None:
-        if getattr(mesh, "ndim", None) != 1:
+        from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"fully_shard: mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+        if mesh.ndim != 1:
             raise ValueError(
-                f"fully_shard: mesh must be a 1-D DeviceMesh, got {getattr(mesh, 'ndim', type(mesh).__name__)} "
+                f"fully_shard: mesh must be a 1-D DeviceMesh, got {mesh.ndim} "
                 f"dimensions; pass a 1-D mesh (2-D HSDP meshes are not supported yet)"
             )
         if mesh.device_type != device.type:

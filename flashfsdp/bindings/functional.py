@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flashfsdp.runtime.process_group import all_gather_single, reduce_scatter_single
+
 
 class _AllGatherWithGrad(torch.autograd.Function):
     @staticmethod
@@ -13,7 +15,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
         world = dist.get_world_size(group)
         tensor = tensor.contiguous()
         out = tensor.new_empty((world * tensor.shape[0], *tensor.shape[1:]))
-        dist.all_gather_into_tensor(out, tensor, group=group)
+        all_gather_single(out, tensor, group=group)
         return out
 
     @staticmethod
@@ -21,7 +23,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 

@@ -15,8 +15,8 @@ from .communicator import Communicator, ReduceOpName, Work, check_collective_siz
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 # torch >= 2.13 names the tensor collectives *_single; older releases *_into_tensor / *_tensor.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _TorchWork(Work):
@@ -56,14 +56,14 @@ class ProcessGroupCommunicator(Communicator):
 
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         check_collective_sizes("all_gather_into_tensor", out, inp, self.world_size)
-        return _TorchWork(_all_gather(out, inp, group=self.group, async_op=True))
+        return _TorchWork(all_gather_single(out, inp, group=self.group, async_op=True))
 
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)
         check_collective_sizes("reduce_scatter_tensor", inp, out, self.world_size)
         if op == "avg" and not self._native_avg:
-            return _DivideAfter(_reduce_scatter(out, inp, op=_OPS["sum"], group=self.group, async_op=True), out, self.world_size)
-        return _TorchWork(_reduce_scatter(out, inp, op=_OPS[op], group=self.group, async_op=True))
+            return _DivideAfter(reduce_scatter_single(out, inp, op=_OPS["sum"], group=self.group, async_op=True), out, self.world_size)
+        return _TorchWork(reduce_scatter_single(out, inp, op=_OPS[op], group=self.group, async_op=True))
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)

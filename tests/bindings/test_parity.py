@@ -119,3 +119,36 @@ def test_reshard_after_forward_false():
     for r in results:
         torch.testing.assert_close(r["losses"], ref["losses"], **FP32)
         _assert_params_close(r["params"], ref["params"], **FP32_PARAMS)
+
+
+def _cuda_w1(rank, world_size, communicator):
+    import torch.nn as nn  # noqa: PLC0415
+
+    import flashfsdp  # noqa: PLC0415
+    from tests.models import make_mlp  # noqa: PLC0415
+
+    model, ref = make_mlp().cuda(), make_mlp().cuda()
+    for unit in model.units():
+        flashfsdp.fully_shard(unit, communicator=communicator)
+    losses = []
+    for m in (model, ref):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        out = []
+        for step in range(5):
+            x = torch.randn(4, 7, generator=torch.Generator().manual_seed(step)).cuda()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        losses.append(out)
+    assert isinstance(model, nn.Module)
+    return losses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("communicator", ["nccl", "process_group"])
+def test_cuda_single_rank_matches_unsharded(communicator):
+    backend = "nccl" if communicator == "process_group" else "gloo"  # CuPy NCCL needs only the store
+    ((flash, ref),) = run_distributed(_cuda_w1, 1, communicator, kernels=None, backend=backend)
+    torch.testing.assert_close(flash, ref, rtol=1e-5, atol=1e-6)

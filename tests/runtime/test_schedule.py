@@ -1,0 +1,70 @@
+"""The prefetch policy: recorded order, changed order, explicit lists, in-flight limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
+
+
+def _run(order: ExecutionOrder, keys):
+    order.start_step()
+    for k in keys:
+        order.record(k)
+
+
+def test_forward_prefetch_follows_the_previous_step():
+    order, policy = ExecutionOrder(), PrefetchPolicy()
+    _run(order, "abcd")
+    order.start_step()
+    order.record("a")
+    assert policy.forward_targets("a", order) == ["b"]
+    order.record("b")
+    assert policy.forward_targets("b", order) == ["c"]
+
+
+def test_first_step_has_no_forward_prefetch():
+    order, policy = ExecutionOrder(), PrefetchPolicy()
+    order.start_step()
+    order.record("a")
+    assert policy.forward_targets("a", order) == []
+
+
+def test_changed_order_turns_implicit_prefetch_off_then_is_learned():
+    order, policy = ExecutionOrder(), PrefetchPolicy()
+    _run(order, "abcd")
+    order.start_step()
+    for k in "acb":
+        order.record(k)
+    assert policy.forward_targets("b", order) == []  # diverged: no guess
+    order.record("d")
+    order.start_step()
+    for k in "acb":
+        order.record(k)
+        assert policy.forward_targets(k, order) == [{"a": "c", "c": "b", "b": "d"}[k]]
+
+
+def test_module_run_twice_in_one_forward():
+    order, policy = ExecutionOrder(), PrefetchPolicy()
+    _run(order, "abab")
+    order.start_step()
+    for k, nxt in zip("abab", "bab"):
+        order.record(k)
+        assert policy.forward_targets(k, order) == [nxt]
+
+
+def test_backward_prefetch_is_reverse_forward_order():
+    order, policy = ExecutionOrder(), PrefetchPolicy()
+    _run(order, "abc")
+    assert policy.backward_targets("c", order) == ["b"]
+    assert policy.backward_targets("a", order) == []
+
+
+def test_explicit_lists_win_and_in_flight_limit_applies():
+    order, policy = ExecutionOrder(), PrefetchPolicy(max_inflight=2)
+    _run(order, "abcd")
+    assert policy.forward_targets("a", order, explicit=["c", "d"]) == ["c", "d"]
+    assert policy.admit(["b", "c", "d"], inflight=1) == ["b"]
+    assert policy.admit(["b"], inflight=2) == []
+    with pytest.raises(ValueError, match="max_inflight must be >= 0"):
+        PrefetchPolicy(max_inflight=-1)
