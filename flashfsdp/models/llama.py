@@ -1,0 +1,380 @@
+"""A small Llama-style decoder-only transformer for byte-level language modelling.
+
+Architecture (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"):
+pre-norm residual blocks of RMSNorm → causal self-attention with rotary position embeddings →
+RMSNorm → SwiGLU feed-forward, a final RMSNorm and an output projection tied to the token
+embedding. Parameter names follow torchtitan's llama model (`torchtitan/models/llama3/model.py`):
+`tok_embeddings`, `layers.<i>.attention.{wq,wk,wv,wo}`, `layers.<i>.feed_forward.{w1,w2,w3}`
+(w1 = gate, w3 = up, w2 = down), `layers.<i>.{attention_norm,ffn_norm}`, `norm`, `output`.
+
+Sharding: every `Block` is its own `nn.Module`, so `fully_shard(block)` for each block and then
+`fully_shard(model)` for the root (embedding, final norm, tied output) gives one unit per block
+plus the root. All parameters are floating point; the rotary cos/sin tables are non-persistent
+buffers (not in the state dict, never sharded) recomputed from the config by `init_weights`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    """Shape of a `Llama` model.
+
+    Attributes:
+        vocab_size: number of token ids; 256 for raw bytes.
+        dim: model (residual stream) width.
+        n_layers: number of transformer blocks.
+        n_heads: attention heads; `dim` must be divisible by it and the head size must be even
+            (rotary embeddings rotate pairs of channels).
+        ffn_dim: SwiGLU hidden width; None means `multiple_of`-rounded 8·dim/3 (Llama's rule).
+        multiple_of: rounding for the default `ffn_dim`.
+        max_seq_len: longest sequence the rotary tables cover (tokens).
+        norm_eps: RMSNorm epsilon.
+        rope_theta: rotary base frequency θ.
+        tie_embeddings: share one (vocab_size, dim) matrix between `tok_embeddings` and `output`.
+
+    Raises:
+        ValueError: on a non-positive size, `dim` not divisible by `n_heads`, or an odd head size.
+    """
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_dim: int | None = None
+    multiple_of: int = 256
+    max_seq_len: int = 128
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"LlamaConfig: dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
+                "choose a head count that divides the width"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"LlamaConfig: head size dim/n_heads = {self.head_dim} must be even for rotary "
+                "embeddings; choose another dim or n_heads"
+            )
+        if self.ffn_dim is None:
+            hidden = int(8 * self.dim / 3)
+            self.ffn_dim = self.multiple_of * math.ceil(hidden / self.multiple_of)
+        elif self.ffn_dim <= 0:
+            raise ValueError(f"LlamaConfig.ffn_dim must be positive, got {self.ffn_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head: dim // n_heads."""
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Parameter count of `Llama(self)` computed from the shapes (tied weights counted once)."""
+        d, f = self.dim, self.ffn_dim
+        per_block = 4 * d * d + 3 * d * f + 2 * d  # wq wk wv wo, w1 w2 w3, two RMSNorm weights
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_block + embeddings + d  # + final norm
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # ~0.8M parameters: learns byte-level Python well below the unigram baseline in a couple of
+    # minutes on 2 CPU cores.
+    "tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, multiple_of=32, max_seq_len=128),
+    # ~25M parameters: a single GPU or a patient CPU.
+    "small": LlamaConfig(dim=512, n_layers=8, n_heads=8, multiple_of=64, max_seq_len=512),
+    # ~1.1B parameters (TinyLlama's width and depth, full multi-head attention): one or more GPUs.
+    "1b": LlamaConfig(dim=2048, n_layers=22, n_heads=16, multiple_of=256, max_seq_len=2048),
+}
+
+
+def config_from_preset(name: str, **overrides) -> LlamaConfig:
+    """A fresh `LlamaConfig` from `PRESETS[name]` with some fields replaced.
+
+    Args:
+        name: a key of `PRESETS` ("tiny", "small", "1b").
+        **overrides: `LlamaConfig` fields to replace; a value of None keeps the preset's. Changing
+            `dim` or `multiple_of` without giving `ffn_dim` recomputes the default `ffn_dim`.
+
+    Raises:
+        ValueError: unknown preset (the message lists the choices), unknown field, or a config
+            that `LlamaConfig` rejects.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown LlamaConfig field(s) {unknown}; valid: {sorted(fields)}")
+    base = dataclasses.asdict(PRESETS[name])
+    if "ffn_dim" not in overrides and ({"dim", "multiple_of"} & set(overrides)):
+        base["ffn_dim"] = None
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019): x / rms(x) · weight.
+
+    Normalises over the last dimension in fp32 and returns the input's dtype.
+    Shapes: x (..., dim) → (..., dim).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        """Set the weight to ones."""
+        nn.init.ones_(self.weight)
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+    """Rotary-embedding tables (Su et al. 2021, "RoFormer").
+
+    Channel pair i of a head at position m is rotated by the angle m·θ^(-2i/head_dim).
+
+    Returns:
+        (cos, sin): fp32 tensors of shape (max_seq_len, head_dim // 2).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (x[2i], x[2i+1]) of every head by the position's angle.
+
+    Meta's Llama convention: the same as multiplying the complex number x[2i] + j·x[2i+1] by
+    exp(j·m·θ_i), done with real arithmetic in fp32 so that bf16 inputs work.
+
+    Args:
+        x: (batch, heads, seq, head_dim), any float dtype.
+        cos, sin: (seq, head_dim // 2) for the positions of `x`.
+
+    Returns:
+        A tensor shaped and typed like `x`.
+    """
+    x32 = x.float().unflatten(-1, (-1, 2))
+    even, odd = x32[..., 0], x32[..., 1]
+    cos, sin = cos.float(), sin.float()
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary embeddings, no biases.
+
+    Shapes: x (batch, seq, dim) → (batch, seq, dim); seq ≤ config.max_seq_len.
+    Owns the rotary tables as non-persistent fp32 buffers `rope_cos`, `rope_sin`
+    of shape (max_seq_len, head_dim // 2).
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.max_seq_len = config.max_seq_len
+        self.rope_theta = config.rope_theta
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        cos, sin = rotary_tables(self.head_dim, self.max_seq_len, self.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables in place (after `to_empty` from the meta device)."""
+        cos, sin = rotary_tables(self.head_dim, self.max_seq_len, self.rope_theta)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        if seq > self.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq} exceeds max_seq_len {self.max_seq_len}; "
+                "crop the input or build the model with a larger max_seq_len"
+            )
+        q, k, v = (w(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): w2(silu(w1 x) · w3 x); w1 gate, w3 up, w2 down.
+
+    Shapes: x (..., dim) → (..., dim) through a hidden width `ffn_dim`.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: x + attention(norm(x)), then h + feed_forward(norm(h)).
+
+    Shapes: x (batch, seq, dim) → (batch, seq, dim). One flashfsdp unit in training.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Llama-style decoder: token ids (batch, seq) int64 → logits (batch, seq, vocab_size).
+
+    Construct, then call `init_weights(seed)` for the deterministic initialisation used in
+    training (the constructor's own PyTorch default init is not the training init).
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make `output.weight` the same Parameter as `tok_embeddings.weight` (if
+        `config.tie_embeddings`); `to_empty` from the meta device unties them."""
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits for every position.
+
+        Args:
+            tokens: int64 (batch, seq) ids in [0, vocab_size), seq ≤ config.max_seq_len.
+
+        Returns:
+            (batch, seq, vocab_size) logits in the parameters' (compute) dtype; position t
+            depends only on tokens[:, :t+1].
+        """
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic initialisation, identical on every device and rank for one seed.
+
+        Normal(0, 0.02) for embeddings and linear weights; the projections that write into the
+        residual stream (attention.wo, feed_forward.w2) use 0.02 / sqrt(2·n_layers) (GPT-2,
+        Radford et al. 2019); RMSNorm weights are ones; rotary tables are recomputed. Values are
+        drawn on the CPU from a generator seeded with `seed`, then copied to each parameter's
+        device, so a model built on the meta device and `to_empty`'d gets the same weights (the
+        tied output projection is re-tied first). Call it before sharding.
+        """
+        self.tie_weights()
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        seen: set[int] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, Attention):
+                module.reset_buffers()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                if id(module.weight) in seen:  # the tied output projection
+                    continue
+                seen.add(id(module.weight))
+                std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else 0.02
+                values = torch.empty(module.weight.shape).normal_(0.0, std, generator=gen)
+                module.weight.copy_(values)
+
+    def num_params(self) -> int:
+        """Number of distinct parameter elements (a tied matrix counted once), unsharded."""
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample a continuation autoregressively (no kv-cache: one full forward per token).
+
+        Calls `self(...)`, so it works when the model's forward is wrapped by sharding hooks;
+        under FSDP every rank must call it with the same shapes (the loop length depends only
+        on `max_new_tokens`). Sampling draws from `generator` on the CPU, so one seed gives the
+        same sample on every device.
+
+        Args:
+            tokens: int64 (batch, prompt_len) prompt ids, prompt_len ≥ 1; the context fed to
+                the model is cropped to the last `config.max_seq_len` tokens.
+            max_new_tokens: tokens to append (≥ 0).
+            temperature: softmax temperature > 0; 0 means greedy (argmax).
+            top_k: keep only the k most likely tokens before sampling (None: all).
+            generator: CPU `torch.Generator` for reproducible sampling.
+
+        Returns:
+            int64 (batch, prompt_len + max_new_tokens) on `tokens`' device.
+
+        Raises:
+            ValueError: empty prompt, negative `max_new_tokens` or `temperature`, `top_k` < 1.
+        """
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"generate: tokens must be (batch, prompt_len ≥ 1), got {tuple(tokens.shape)}")
+        if max_new_tokens < 0 or temperature < 0:
+            raise ValueError("generate: max_new_tokens and temperature must be non-negative")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"generate: top_k must be ≥ 1 or None, got {top_k}")
+        for _ in range(max_new_tokens):
+            context = tokens[:, -self.config.max_seq_len:]
+            logits = self(context)[:, -1, :].float().cpu()
+            if temperature == 0:
+                next_token = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.shape[-1]:
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                next_token = torch.multinomial(probs, 1, generator=generator)
+            tokens = torch.cat((tokens, next_token.to(tokens.device)), dim=1)
+        return tokens
