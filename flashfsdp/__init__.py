@@ -7,6 +7,7 @@ from flashfsdp.bindings.clip_grad import clip_grad_norm_
 from flashfsdp.bindings.fully_shard import FSDPModule, UnshardHandle, fully_shard
 from flashfsdp.bindings.functional import all_gather_with_grad
 from flashfsdp.bindings.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from flashfsdp.runtime.trace import profile
 
 __all__ = [
     "fully_shard",
@@ -17,4 +18,5 @@ __all__ = [
     "CPUOffloadPolicy",
     "clip_grad_norm_",
     "all_gather_with_grad",
+    "profile",
 ]

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from flashfsdp.runtime import trace
 from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
 from flashfsdp.runtime.unit import PendingReduce, ShardedUnit, ShardState
 
@@ -88,6 +89,7 @@ class FSDPState:
         # The registrations still hold the original full parameters: install the pieces.
         self.holds_unsharded = True
         self._swap(False)
+        self._compute_start = None  # trace timestamp of the forward/backward compute in progress
         self.hook_handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward, prepend=False),
@@ -160,6 +162,8 @@ class FSDPState:
         if self.is_root:
             ctx.finish_pending()
             ctx.order.start_step()
+            if trace.active() is not None:
+                trace.active().next_step()
         self._check_input_devices(args, kwargs)
         self.training_state = TrainingState.FORWARD
         ctx.order.record(self)
@@ -169,11 +173,23 @@ class FSDPState:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if self.unit.groups and any(g.requires_grad for g in self.unit.groups):
             args, kwargs = apply_to_tensors(self._post_backward, (args, kwargs))
+        self._mark_compute_start()
         return args, kwargs
+
+    def _mark_compute_start(self) -> None:
+        prof = trace.active()
+        self._compute_start = prof.now() if prof is not None else None
+
+    def _mark_compute_end(self, kind: str) -> None:
+        prof = trace.active()
+        if prof is not None and self._compute_start is not None:
+            prof.add(kind, self.unit.name, "compute", self._compute_start, prof.now())
+        self._compute_start = None
 
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if in_backward():
             return output
+        self._mark_compute_end("forward")
         if not torch.is_grad_enabled() or self.reshard_after_forward:
             self.reshard()
         self.training_state = TrainingState.IDLE
@@ -202,11 +218,13 @@ class FSDPState:
         self.training_state = TrainingState.PRE_BACKWARD
         self.wait_unshard()
         self._prefetch(ctx.policy.backward_targets(self, ctx.order, self.explicit_backward_prefetch))
+        self._mark_compute_start()
 
     def _post_backward(self) -> None:
         if self.training_state is TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
+        self._mark_compute_end("backward")
         ctx = self.ctx
         if self.requires_gradient_sync:
             pending = self.unit.reduce_grads()
@@ -231,7 +249,7 @@ class FSDPState:
             state.reshard()
         ctx.finish_pending()
         streams = self.unit.streams
-        streams.wait_for_reduce_scatter()
+        streams.wait_for_reduce_scatter(self.unit.name)
         streams.release_held()
         ctx.callback_queued = False
 

@@ -25,6 +25,13 @@ class Work(abc.ABC):
     def wait(self) -> None:
         """Make the current stream wait for the collective (GPU), or block until it is done (CPU)."""
 
+    def on_completion(self, callback) -> None:
+        """Call ``callback()`` (from any thread) when the collective completes on the host.
+
+        Used by traces to time CPU collectives; the default calls it at once (already complete).
+        """
+        callback()
+
 
 class CompletedWork(Work):
     """A Work for a collective that finished when it was issued."""

@@ -30,6 +30,12 @@ class _TorchWork(Work):
             self._work.wait()
             self._work = None
 
+    def on_completion(self, callback) -> None:
+        if self._work is None:
+            callback()
+        else:
+            self._work.get_future().then(lambda _: callback())
+
 
 class ProcessGroupCommunicator(Communicator):
     """Collectives over a torch.distributed group, asynchronous (``async_op=True``).

@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 
+from . import trace
+
 
 class DeviceStreams:
     """Streams and events of one device.
@@ -82,10 +84,14 @@ class DeviceStreams:
             self.wait(self._held[0])
             self._held = ()
 
-    def wait_for_reduce_scatter(self) -> None:
+    def wait_for_reduce_scatter(self, unit_name: str = "<root>") -> None:
         """Make the current stream wait for everything enqueued on the reduce-scatter stream."""
         if self.is_cuda:
+            prof = trace.active()
+            waited = prof.now() if prof is not None else None
             torch.cuda.current_stream(self.device).wait_stream(self.reduce_scatter)
+            if prof is not None:
+                prof.add("wait_reduce_scatter", unit_name, "compute", waited, prof.now())
 
 
 _streams: dict[torch.device, DeviceStreams] = {}

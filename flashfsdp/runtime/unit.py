@@ -32,8 +32,28 @@ from flashfsdp.kernels import accumulate_grad_shard, flatten
 
 from .communicator import Communicator, Work
 from .flat_param import FlatParam
+from . import trace
 from .layout import align_elements
 from .streams import DeviceStreams, streams_for
+
+
+def _completion_stamp(prof, works: list[Work], stream, is_cuda: bool):
+    """When the collectives end: an event after them on ``stream`` (GPU), or a list that each
+    work's completion callback appends its wall-clock time to (CPU). None without a profile."""
+    if prof is None:
+        return None
+    if is_cuda:
+        return prof.now(stream)
+    stamps: list[float] = []
+    for work in works:
+        work.on_completion(lambda: stamps.append(prof.now()))
+    return stamps
+
+
+def _resolve_stamp(stamp, fallback):
+    if isinstance(stamp, list):
+        return max(stamp) if stamp else fallback
+    return stamp if stamp is not None else fallback
 
 
 class ShardState(enum.Enum):
@@ -73,11 +93,21 @@ class AllGatherResult:
     buffers: list[torch.Tensor]
     versions: list[int]
     event: "torch.cuda.Event | None" = None
+    unit_name: str = ""
+    issued: object = None  # trace timestamps of the collective (when a profile is active)
+    issued_end: object = None
 
     def wait(self) -> None:
         """Make the current stream wait on the all-gathers (GPU) or block until done (CPU)."""
+        prof = trace.active()
+        if prof is not None and self.works:
+            waited = prof.now()
         for work in self.works:
             work.wait()
+        if prof is not None and self.works and self.issued is not None:
+            done = prof.now()
+            prof.add("wait_all_gather", self.unit_name, "compute", waited, done)
+            prof.add("all_gather", self.unit_name, "all_gather", self.issued, _resolve_stamp(self.issued_end, done))
         self.works = []
         if self.buffers:
             torch._C._autograd._unsafe_set_version_counter(tuple(self.buffers), tuple(self.versions))
@@ -94,16 +124,28 @@ class PendingReduce:
     accumulate: bool
     post_scale: float
     keepalive: list = field(default_factory=list)
+    issued: object = None  # trace timestamps of the collective (when a profile is active)
+    issued_end: object = None
 
     def finish(self) -> None:
         """Wait for the reduce-scatter and accumulate into ``sharded_grad`` (fused norm and flag)."""
         streams = self.unit.streams
+        name = self.unit.name
+        prof = trace.active()
         with streams.use(streams.reduce_scatter):
+            if prof is not None:
+                waited = prof.now(streams.reduce_scatter)
             self.work.wait()
+            if prof is not None and self.issued is not None:
+                done = prof.now(streams.reduce_scatter)
+                if not streams.is_cuda:  # on CPU the compute thread itself blocked here
+                    prof.add("wait_reduce_scatter", name, "compute", waited, done)
+                prof.add("reduce_scatter", name, "reduce_scatter", self.issued, _resolve_stamp(self.issued_end, done))
             grad = self.group.sharded_grad_buffer()
-            sq_norm, nonfinite = accumulate_grad_shard(
-                self.output, grad, scale=self.post_scale, accumulate=self.accumulate
-            )
+            with trace.span("accumulate", name, "reduce_scatter", streams.reduce_scatter):
+                sq_norm, nonfinite = accumulate_grad_shard(
+                    self.output, grad, scale=self.post_scale, accumulate=self.accumulate
+                )
         self.group.grad_stats = (sq_norm, nonfinite, grad._version)
         self.group.expose_grads()
         self.keepalive.clear()
@@ -184,13 +226,18 @@ class ShardedUnit:
         works = []
         buffers = [g.unsharded_flat for g in self.groups]
         versions = [b._version for b in buffers]
-        with self.streams.use(self.streams.all_gather), torch.no_grad():
+        prof, ag = trace.active(), self.streams.all_gather
+        with self.streams.use(ag), torch.no_grad():
+            with trace.span("copy_in", self.name, "all_gather", ag):
+                for group in self.groups:
+                    group.alloc_unsharded()
+                    group.copy_in()
+            issued = prof.now(ag) if prof is not None else None
             for group in self.groups:
-                group.alloc_unsharded()
-                group.copy_in()
                 works.append(self.comm.all_gather_into_tensor(group.unsharded_flat, group.shard_slice_of_unsharded()))
-            event = self.streams.record(self.streams.all_gather)
-        self._all_gather = AllGatherResult(works, buffers, versions, event)
+            issued_end = _completion_stamp(prof, works, ag, self.streams.is_cuda)
+            event = self.streams.record(ag)
+        self._all_gather = AllGatherResult(works, buffers, versions, event, self.name, issued, issued_end)
         self.state = ShardState.UNSHARDING
         return self._all_gather
 
@@ -229,15 +276,19 @@ class ShardedUnit:
             f_pre, f_post = gradient_divide_factors(self.comm.world_size, reduce_dtype)
             accumulate = group.prepare_grad_accumulation()
             S, T = group.layout.shard_size, group.layout.total
-            with self.streams.use(self.streams.reduce_scatter), torch.no_grad():
-                packed = torch.empty(T, dtype=reduce_dtype, device=self.device)
-                flatten(grads, list(group.layout.offsets), packed, scale=1.0 / f_pre, numels=list(group.layout.numels))
-                self.streams.hold_until_passed(self.streams.record(self.streams.reduce_scatter), grads)
+            prof, rs = trace.active(), self.streams.reduce_scatter
+            with self.streams.use(rs), torch.no_grad():
+                with trace.span("pack", self.name, "reduce_scatter", rs):
+                    packed = torch.empty(T, dtype=reduce_dtype, device=self.device)
+                    flatten(grads, list(group.layout.offsets), packed, scale=1.0 / f_pre, numels=list(group.layout.numels))
+                self.streams.hold_until_passed(self.streams.record(rs), grads)
                 output = torch.empty(S, dtype=reduce_dtype, device=self.device)
+                issued = prof.now(rs) if prof is not None else None
                 work = self.comm.reduce_scatter_tensor(output, packed, op="sum")
+                issued_end = _completion_stamp(prof, [work], rs, self.streams.is_cuda)
             for p in group.unsharded_params:
                 p.grad = None
-            pending.append(PendingReduce(self, group, work, output, accumulate, 1.0 / f_post, keepalive=[packed]))
+            pending.append(PendingReduce(self, group, work, output, accumulate, 1.0 / f_post, [packed], issued, issued_end))
         return pending
 
     def has_unsharded_grads(self) -> bool:
