@@ -1,0 +1,189 @@
+"""Checks `flashfsdp-train` runs before it starts any worker or writes anything.
+
+Each check raises `UsageError` with a one-line message naming the problem and the fix, so that
+bad input costs no worker start-up, no traceback and no partial run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from flashfsdp.data import Corpus, CorpusError, ShardedBatchSampler, load_corpus
+from flashfsdp.models import LlamaConfig
+from flashfsdp.train_args import UsageError
+from flashfsdp.train_sharding import latest_checkpoint
+
+GiB = 2**30
+# fp32 master weight + fp32 gradient + AdamW's two fp32 moments, per parameter.
+STATE_BYTES_PER_PARAM = 16
+# Activation bytes kept for backward per token, per layer, per unit of width and per byte of the
+# compute dtype: about 34·s·b·h bytes per layer at 16 bits (Korthikanti et al. 2022, "Reducing
+# Activation Recomputation in Large Transformer Models", without the attention-score term that
+# a fused attention kernel does not store).
+ACTIVATION_ELEMENTS_PER_TOKEN_PER_DIM = 17
+# Memory a check may plan to use: the rest is left to the allocator, the runtime and the OS.
+USABLE_FRACTION = 0.9
+
+
+def resolve_device(requested: str) -> str:
+    """"cpu" or "cuda" for --device auto|cpu|cuda.
+
+    Raises:
+        UsageError: --device cuda on a machine without a usable CUDA device.
+    """
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available; use --device cpu")
+    return requested
+
+
+def check_nproc(nproc: int | None, device_type: str) -> int:
+    """The number of local workers to start: --nproc, or 2 on CPU / every GPU on CUDA.
+
+    Raises:
+        UsageError: --nproc < 1, or more workers than GPUs with --device cuda.
+    """
+    gpus = torch.cuda.device_count() if device_type == "cuda" else 0
+    if nproc is None:
+        return gpus if device_type == "cuda" else 2
+    if nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    if device_type == "cuda" and nproc > gpus:
+        raise UsageError(
+            f"--nproc {nproc} is more than the {gpus} CUDA device(s) present (one GPU per rank); "
+            f"use --nproc {gpus} or fewer, or --device cpu"
+        )
+    return nproc
+
+
+def check_batch(args: argparse.Namespace, world_size: int) -> None:
+    """The global batch must split evenly over ranks and micro-batches.
+
+    Raises:
+        UsageError: --batch-size not a multiple of world_size · --grad-accum.
+    """
+    parts = world_size * args.grad_accum
+    if args.batch_size % parts:
+        raise UsageError(
+            f"--batch-size {args.batch_size} does not split over {world_size} rank(s) x "
+            f"--grad-accum {args.grad_accum}; use a multiple of {parts}"
+        )
+
+
+def check_data(args: argparse.Namespace, seq_len: int, world_size: int) -> Corpus:
+    """Load the corpus and check that both splits hold a global batch of windows.
+
+    Raises:
+        UsageError: missing --data path, empty corpus, or too little text for the batch.
+    """
+    try:
+        corpus = load_corpus(args.data, seed=args.seed)
+        for split, data in (("training", corpus.train), ("validation", corpus.val)):
+            try:
+                ShardedBatchSampler(data.numel(), seq_len, args.batch_size, world_size)
+            except CorpusError as err:
+                raise CorpusError(f"{split} split of {corpus.source}: {err}") from None
+    except CorpusError as err:
+        raise UsageError(str(err)) from None
+    return corpus
+
+
+def available_memory(device_type: str) -> int:
+    """Bytes one rank may use: free host memory (cgroup limit included) on CPU, or the smallest
+    GPU's total memory on CUDA."""
+    if device_type == "cuda":
+        return min(torch.cuda.get_device_properties(i).total_memory
+                   for i in range(torch.cuda.device_count()))
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # cgroup v2 container limit
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            limit = fh.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as fh:
+            used = int(fh.read())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def estimate_bytes_per_rank(cfg: LlamaConfig, world_size: int, micro_batch: int, seq_len: int,
+                            param_bytes: int) -> int:
+    """A rough peak-memory estimate of one rank, in bytes.
+
+    The larger of: the full fp32 model each rank builds before sharding (4·P), and training:
+    16·P/W of sharded state, two blocks' unsharded parameters and gradients in the compute dtype
+    (the current and the prefetched unit), activations, and the logits with their fp32 copies.
+    """
+    params = cfg.num_params()
+    block = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    tokens = micro_batch * seq_len
+    state = STATE_BYTES_PER_PARAM * params // world_size
+    gathered = 2 * 2 * block * param_bytes
+    activations = tokens * cfg.n_layers * cfg.dim * ACTIVATION_ELEMENTS_PER_TOKEN_PER_DIM * param_bytes
+    logits = tokens * cfg.vocab_size * (param_bytes + 8)
+    return max(4 * params, state + gathered + activations + logits)
+
+
+def check_fit(args: argparse.Namespace, cfg: LlamaConfig, world_size: int, local_world: int,
+              device_type: str) -> None:
+    """Refuse a model that cannot fit: on CPU all local ranks share the host's memory, on CUDA
+    each rank has one GPU.
+
+    Raises:
+        UsageError: the estimate exceeds `USABLE_FRACTION` of the available memory; the message
+            names the preset and suggests a smaller one, more ranks, or a smaller batch.
+    """
+    micro_batch = args.batch_size // (world_size * args.grad_accum)
+    param_bytes = 2 if args.param_dtype == "bf16" else 4
+    need = estimate_bytes_per_rank(cfg, world_size, micro_batch, cfg.max_seq_len, param_bytes)
+    have = available_memory(device_type)
+    model = f"--preset {args.preset}" + "".join(
+        f" --{k} {v}" for k, v in (("layers", args.layers), ("dim", args.dim), ("heads", args.heads),
+                                   ("seq-len", args.seq_len)) if v is not None)
+    size = f"{model} ({cfg.num_params() / 1e6:.0f}M parameters)"
+    if device_type == "cpu" and need * local_world > USABLE_FRACTION * have:
+        raise UsageError(
+            f"{size} needs about {need * local_world / GiB:.1f} GiB on this host for "
+            f"{local_world} rank(s) but {have / GiB:.1f} GiB is free; use a smaller --preset, "
+            "--batch-size or --seq-len, or a machine with more memory"
+        )
+    if device_type == "cuda" and need > USABLE_FRACTION * have:
+        raise UsageError(
+            f"{size} needs about {need / GiB:.1f} GiB per GPU at {world_size} rank(s) but a GPU "
+            f"has {have / GiB:.1f} GiB; use more ranks (--nproc, or torchrun over more nodes), "
+            "a smaller --batch-size (or more --grad-accum), or a smaller --preset"
+        )
+
+
+def check_out(args: argparse.Namespace) -> str | None:
+    """The checkpoint to resume from (None for a fresh run).
+
+    Raises:
+        UsageError: --resume with no checkpoint in --out, or a fresh run whose --out already holds
+            checkpoints (it would mix two runs).
+    """
+    directory = os.path.join(args.out, "checkpoints")
+    found = latest_checkpoint(args.out)
+    if args.resume and found is None:
+        raise UsageError(
+            f"--resume: no checkpoint in {directory}; start without --resume, or point --out at "
+            "the directory of a run that saved one"
+        )
+    if not args.resume and found is not None:
+        raise UsageError(
+            f"--out {args.out} already holds checkpoints; add --resume to continue that run, or "
+            "choose another --out"
+        )
+    return found

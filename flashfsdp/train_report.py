@@ -1,0 +1,171 @@
+"""What `flashfsdp.train` shows and writes on rank 0: progress bar, metrics, summary, plot, samples.
+
+Run directory files: `metrics.jsonl` (one JSON object per training step or validation),
+`summary.json`, `loss.png` (train/validation loss curves) and `samples.txt`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+
+import torch
+from tqdm import tqdm
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+PLOT = "loss.png"
+SAMPLES = "samples.txt"
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank so far: CUDA `max_memory_allocated`, or the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable size with binary prefixes, e.g. 1.5GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def reset(out: str) -> None:
+    """Remove the report files of an earlier, checkpoint-less start in `out` (a fresh run)."""
+    for name in (METRICS, SUMMARY, PLOT, SAMPLES):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            os.remove(path)
+
+
+class Progress:
+    """A tqdm bar over optimizer steps (rank 0 only; other ranks get a no-op bar) plus
+    `metrics.jsonl` appends. Records are dicts with a "step" key (steps completed)."""
+
+    def __init__(self, out: str, total: int, initial: int, enabled: bool):
+        self.enabled = enabled
+        self.path = os.path.join(out, METRICS)
+        self.bar = tqdm(total=total, initial=initial, disable=not enabled, unit="step",
+                        dynamic_ncols=True, file=sys.stderr)
+        self.postfix: dict[str, str] = {}
+
+    def log(self, record: dict) -> None:
+        """Append a record to metrics.jsonl (rank 0)."""
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    def step(self, record: dict, device: torch.device) -> None:
+        """Log a training step and advance the bar with loss, tokens/s, step time and memory."""
+        self.log(record)
+        self.postfix.update(loss=f"{record['train_loss']:.3f}", lr=f"{record['lr']:.1e}",
+                            tok_s=f"{record['tokens_per_s']:.0f}", ms=f"{record['step_ms']:.0f}",
+                            mem=format_bytes(memory_bytes(device)))
+        self.bar.set_postfix(self.postfix, refresh=False)
+        self.bar.update(1)
+
+    def validation(self, step: int, val_loss: float, **extra) -> None:
+        """Log a validation loss and show it on the bar."""
+        self.log({"step": step, "val_loss": val_loss, **extra})
+        self.postfix["val"] = f"{val_loss:.3f}"
+        self.bar.set_postfix(self.postfix)
+
+    def write(self, line: str) -> None:
+        """Print a line above the bar (rank 0)."""
+        if self.enabled:
+            self.bar.write(line, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def read_metrics(out: str) -> tuple[dict[int, dict], dict[int, float]]:
+    """Train records and validation losses by step from metrics.jsonl; for a step logged twice
+    (a resumed run redoing steps after its last checkpoint) the later record wins."""
+    train, val = {}, {}
+    path = os.path.join(out, METRICS)
+    if not os.path.exists(path):
+        return train, val
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if "train_loss" in rec:
+                train[rec["step"]] = rec
+            if "val_loss" in rec:
+                val[rec["step"]] = rec["val_loss"]
+    return train, val
+
+
+def plot_losses(out: str, unigram: float) -> str | None:
+    """Write loss.png (train and validation loss against step, unigram baseline dashed).
+
+    Returns the path, or None with a one-line warning when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("flashfsdp-train: warning: matplotlib is not installed; no loss plot "
+              "(pip install matplotlib)", file=sys.stderr)
+        return None
+    train, val = read_metrics(out)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    steps = sorted(train)
+    ax.plot(steps, [train[s]["train_loss"] for s in steps], lw=0.8, alpha=0.8, label="train")
+    vsteps = sorted(val)
+    ax.plot(vsteps, [val[s] for s in vsteps], "o-", ms=4, label="validation")
+    ax.axhline(unigram, ls="--", color="gray", label=f"unigram baseline ({unigram:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(f"flashfsdp-train: {os.path.basename(out)}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = os.path.join(out, PLOT)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_summary(out: str, summary: dict) -> str:
+    """Write summary.json and return the printable summary table."""
+    with open(os.path.join(out, SUMMARY), "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=1)
+    rows = [
+        ("parameters", f"{summary['params'] / 1e6:.2f}M"),
+        ("ranks", f"{summary['world_size']} ({summary['device']})"),
+        ("steps", f"{summary['start_step']} -> {summary['step']}"),
+        ("final train loss", _nats(summary["train_loss"])),
+        ("final val loss", _nats(summary["val_loss"])),
+        ("unigram baseline", _nats(summary["unigram_baseline"])),
+        ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+        ("peak memory/rank", format_bytes(summary["peak_memory_bytes"])),
+        ("run directory", out),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join([line] + [f"{k:<{width}} | {v}" for k, v in rows] + [line])
+
+
+def _nats(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:.4f} nats/byte ({x / math.log(2):.3f} bits)"
+
+
+def write_samples(out: str, prompt: str, samples: list[str]) -> str:
+    """Write samples.txt and return it as text to print."""
+    text = "".join(f"--- sample {i + 1} (prompt {prompt!r}) ---\n{s}\n" for i, s in enumerate(samples))
+    with open(os.path.join(out, SAMPLES), "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return text
