@@ -25,12 +25,9 @@ class Work(abc.ABC):
     def wait(self) -> None:
         """Make the current stream wait for the collective (GPU), or block until it is done (CPU)."""
 
-    def on_completion(self, callback) -> None:
-        """Call ``callback()`` (from any thread) when the collective completes on the host.
-
-        Used by traces to time CPU collectives; the default calls it at once (already complete).
-        """
-        callback()
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (non-blocking; traces use it to time CPU work)."""
+        return True
 
 
 class CompletedWork(Work):

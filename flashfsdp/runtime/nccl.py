@@ -59,6 +59,9 @@ class _NcclWork(Work):
         torch.cuda.current_stream().wait_event(self._event)
         self._keepalive = ()
 
+    def is_completed(self) -> bool:
+        return self._event.query()
+
 
 class NcclCommunicator(Communicator):
     """Collectives through ``cupy.cuda.nccl.NcclCommunicator`` over a torch.distributed group.

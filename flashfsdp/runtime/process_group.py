@@ -30,11 +30,8 @@ class _TorchWork(Work):
             self._work.wait()
             self._work = None
 
-    def on_completion(self, callback) -> None:
-        if self._work is None:
-            callback()
-        else:
-            self._work.get_future().then(lambda _: callback())
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
 
 
 class ProcessGroupCommunicator(Communicator):

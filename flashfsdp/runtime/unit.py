@@ -37,23 +37,13 @@ from .layout import align_elements
 from .streams import DeviceStreams, streams_for
 
 
-def _completion_stamp(prof, works: list[Work], stream, is_cuda: bool):
-    """When the collectives end: an event after them on ``stream`` (GPU), or a list that each
-    work's completion callback appends its wall-clock time to (CPU). None without a profile."""
-    if prof is None:
-        return None
-    if is_cuda:
-        return prof.now(stream)
-    stamps: list[float] = []
-    for work in works:
-        work.on_completion(lambda: stamps.append(prof.now()))
-    return stamps
-
-
-def _resolve_stamp(stamp, fallback):
-    if isinstance(stamp, list):
-        return max(stamp) if stamp else fallback
-    return stamp if stamp is not None else fallback
+def _comm_end(issued_end, completed_before_wait: bool, waited, done):
+    """When a collective ended, for its trace span: the event recorded after it on its stream
+    (GPU); on CPU, the start of the wait if it had already completed then (it ended no later,
+    and gloo gives no completion time), else the end of the wait."""
+    if issued_end is not None:
+        return issued_end
+    return waited if completed_before_wait else done
 
 
 class ShardState(enum.Enum):
@@ -102,12 +92,14 @@ class AllGatherResult:
         prof = trace.active()
         if prof is not None and self.works:
             waited = prof.now()
+            completed_before = all(w.is_completed() for w in self.works)
         for work in self.works:
             work.wait()
         if prof is not None and self.works and self.issued is not None:
             done = prof.now()
             prof.add("wait_all_gather", self.unit_name, "compute", waited, done)
-            prof.add("all_gather", self.unit_name, "all_gather", self.issued, _resolve_stamp(self.issued_end, done))
+            end = _comm_end(self.issued_end, completed_before, waited, done)
+            prof.add("all_gather", self.unit_name, "all_gather", self.issued, end)
         self.works = []
         if self.buffers:
             torch._C._autograd._unsafe_set_version_counter(tuple(self.buffers), tuple(self.versions))
@@ -135,12 +127,14 @@ class PendingReduce:
         with streams.use(streams.reduce_scatter):
             if prof is not None:
                 waited = prof.now(streams.reduce_scatter)
+                completed_before = self.work.is_completed()
             self.work.wait()
             if prof is not None and self.issued is not None:
                 done = prof.now(streams.reduce_scatter)
                 if not streams.is_cuda:  # on CPU the compute thread itself blocked here
                     prof.add("wait_reduce_scatter", name, "compute", waited, done)
-                prof.add("reduce_scatter", name, "reduce_scatter", self.issued, _resolve_stamp(self.issued_end, done))
+                end = _comm_end(self.issued_end, completed_before, waited, done)
+                prof.add("reduce_scatter", name, "reduce_scatter", self.issued, end)
             grad = self.group.sharded_grad_buffer()
             with trace.span("accumulate", name, "reduce_scatter", streams.reduce_scatter):
                 sq_norm, nonfinite = accumulate_grad_shard(
@@ -235,7 +229,7 @@ class ShardedUnit:
             issued = prof.now(ag) if prof is not None else None
             for group in self.groups:
                 works.append(self.comm.all_gather_into_tensor(group.unsharded_flat, group.shard_slice_of_unsharded()))
-            issued_end = _completion_stamp(prof, works, ag, self.streams.is_cuda)
+            issued_end = prof.now(ag) if prof is not None and self.streams.is_cuda else None
             event = self.streams.record(ag)
         self._all_gather = AllGatherResult(works, buffers, versions, event, self.name, issued, issued_end)
         self.state = ShardState.UNSHARDING
@@ -285,7 +279,7 @@ class ShardedUnit:
                 output = torch.empty(S, dtype=reduce_dtype, device=self.device)
                 issued = prof.now(rs) if prof is not None else None
                 work = self.comm.reduce_scatter_tensor(output, packed, op="sum")
-                issued_end = _completion_stamp(prof, [work], rs, self.streams.is_cuda)
+                issued_end = prof.now(rs) if prof is not None and self.streams.is_cuda else None
             for p in group.unsharded_params:
                 p.grad = None
             pending.append(PendingReduce(self, group, work, output, accumulate, 1.0 / f_post, [packed], issued, issued_end))
