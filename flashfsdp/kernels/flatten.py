@@ -70,17 +70,13 @@ def flatten_triton(
     those tensors). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     offsets, sizes, scale = validate_flatten(tensors, offsets, out, scale, numels)
-    sources = []  # keeps .contiguous() copies alive until the launch is enqueued
-    addresses, codes, starts, lengths = [], [], [], []
-    for tensor, offset, size in zip(tensors, offsets, sizes):
-        if tensor is None or size == 0:
-            continue
-        tensor = tensor.contiguous()
-        sources.append(tensor)
-        addresses.append(tensor.data_ptr())
-        codes.append(DTYPE_CODES[tensor.dtype])
-        starts.append(offset)
-        lengths.append(size)
+    # Non-empty tensors (contiguous copies kept alive here until the launch is enqueued), then the
+    # ranges no tensor covers as zero segments.
+    sources = [(t.contiguous(), o, n) for t, o, n in zip(tensors, offsets, sizes) if t is not None and n > 0]
+    addresses = [t.data_ptr() for t, _, _ in sources]
+    codes = [DTYPE_CODES[t.dtype] for t, _, _ in sources]
+    starts = [o for _, o, _ in sources]
+    lengths = [n for _, _, n in sources]
     for gap_start, gap_stop in uncovered_ranges(zip(starts, lengths), out.numel()):
         addresses.append(0)
         codes.append(ZERO_CODE)

@@ -3,7 +3,8 @@
 Each function here is the meaning of the op of the same name in :mod:`flashfsdp.kernels`; the
 Triton launchers must agree with it bit for bit (up to the documented exceptions in the tests).
 They check their arguments with :mod:`flashfsdp.kernels.validation`, so both paths raise the same
-errors. They run on any device torch supports, one torch op per tensor.
+errors. They run on any device torch supports, with torch ops per tensor (``copy_``, batched as
+``torch._foreach_copy_`` where the cast is the whole job).
 
 Arithmetic contract shared by all ops: values are converted to fp32, multiplied by ``scale`` in
 fp32 (``x.float() * scale``), added in fp32 where the op accumulates, and rounded once to the
@@ -47,17 +48,24 @@ def flatten(
     entries = [(t, o, n) for t, o, n in zip(tensors, offsets, sizes) if t is not None and n > 0]
     for start, stop in uncovered_ranges([(o, n) for _, o, n in entries], out.numel()):
         out[start:stop].zero_()
-    for tensor, offset, size in entries:
-        out[offset : offset + size].copy_(_scaled_fp32(tensor, scale))
+    views = [out[offset : offset + size] for _, offset, size in entries]
+    if entries and scale == 1.0:
+        # x.float().to(out.dtype) == x.to(out.dtype) for these dtypes: copy_ casts (RNE) in one pass,
+        # and the foreach form saves a Python round trip per tensor.
+        torch._foreach_copy_(views, [t if t.dim() == 1 else t.reshape(-1) for t, _, _ in entries])
+    else:
+        for view, (tensor, _, _) in zip(views, entries):
+            view.copy_(_scaled_fp32(tensor, scale))
     return out
 
 
 def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
     """Reference of :func:`flashfsdp.kernels.unflatten`: ``outs[i][...] = cast(flat[o_i : o_i + n_i])``."""
     offsets, sizes = validate_unflatten(flat, offsets, outs)
-    for out, offset, size in zip(outs, offsets, sizes):
-        if size > 0:
-            out.copy_(flat[offset : offset + size].view(out.shape))
+    pairs = [(out, flat[offset : offset + size].view(out.shape))
+             for out, offset, size in zip(outs, offsets, sizes) if size > 0]
+    if pairs:
+        torch._foreach_copy_([out for out, _ in pairs], [source for _, source in pairs])
 
 
 def accumulate_grad_shard(

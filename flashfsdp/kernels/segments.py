@@ -20,7 +20,9 @@ def uncovered_ranges(ranges: Iterable[tuple[int, int]], total: int) -> list[tupl
     """
     gaps = []
     position = 0
-    for offset, numel in sorted(r for r in ranges if r[1] > 0):
+    for offset, numel in sorted(ranges):
+        if numel == 0:
+            continue
         if offset > position:
             gaps.append((position, offset))
         position = offset + numel

@@ -18,11 +18,13 @@ import math
 import operator
 from typing import Sequence
 
+import numpy as np
 import torch
 
 # The float dtypes every op reads and writes. Arithmetic happens in fp32, so float64 is left out on
 # purpose (it would silently lose precision); fp8 formats are a later addition.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
@@ -72,6 +74,9 @@ def check_scale(op: str, scale: object) -> float:
 def _as_int_list(op: str, name: str, values: Sequence[int]) -> list[int]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
+    values = list(values)
+    if all(type(value) is int for value in values):  # the common case, without a per-item call
+        return values
     result = []
     for i, value in enumerate(values):
         if isinstance(value, bool):
@@ -90,28 +95,77 @@ def check_ranges(
     numels: list[int],
     buffer_name: str,
     buffer_numel: int,
+    *,
+    disjoint: bool = True,
 ) -> None:
-    """Check that the element ranges ``[offsets[i], offsets[i] + numels[i])`` fit and are disjoint.
+    """Check that the element ranges ``[offsets[i], offsets[i] + numels[i])`` fit (and are disjoint).
 
-    Each range must lie inside ``[0, buffer_numel]``; non-empty ranges must not overlap each other.
-    Offsets need not be sorted: the check sorts them. Raises ``ValueError`` naming the entry.
+    Each range must lie inside ``[0, buffer_numel]``; with ``disjoint``, non-empty ranges must not
+    overlap each other. Offsets need not be sorted: the check sorts them (numpy, so a unit of
+    thousands of tensors costs microseconds). Raises ``ValueError`` naming the first bad entry.
     """
-    for i, (offset, numel) in enumerate(zip(offsets, numels)):
-        if offset < 0:
-            raise ValueError(f"{op}: offsets[{i}]={offset} is negative")
-        if offset + numel > buffer_numel:
-            raise ValueError(
-                f"{op}: offsets[{i}]={offset} with {items_name}[{i}] of {numel} elements ends at "
-                f"{offset + numel}, past {buffer_name}.numel()={buffer_numel}"
-            )
-    order = sorted((i for i in range(len(offsets)) if numels[i] > 0), key=offsets.__getitem__)
-    for prev, cur in zip(order, order[1:]):
-        prev_end = offsets[prev] + numels[prev]
-        if offsets[cur] < prev_end:
-            raise ValueError(
-                f"{op}: offsets[{cur}]={offsets[cur]} overlaps {items_name}[{prev}] which covers "
-                f"[{offsets[prev]}, {prev_end})"
-            )
+    starts = np.asarray(offsets, dtype=np.int64)
+    sizes = np.asarray(numels, dtype=np.int64)
+    ends = starts + sizes
+    out_of_range = (starts < 0) | (ends > buffer_numel)
+    if out_of_range.any():
+        i = int(np.argmax(out_of_range))
+        if offsets[i] < 0:
+            raise ValueError(f"{op}: offsets[{i}]={offsets[i]} is negative")
+        raise ValueError(
+            f"{op}: offsets[{i}]={offsets[i]} with {items_name}[{i}] of {numels[i]} elements ends at "
+            f"{offsets[i] + numels[i]}, past {buffer_name}.numel()={buffer_numel}"
+        )
+    if not disjoint:
+        return
+    nonempty = np.flatnonzero(sizes > 0)
+    order = nonempty[np.argsort(starts[nonempty], kind="stable")]
+    overlapping = starts[order[1:]] < ends[order[:-1]]
+    if overlapping.any():
+        k = int(np.argmax(overlapping))
+        prev, cur = int(order[k]), int(order[k + 1])
+        raise ValueError(
+            f"{op}: offsets[{cur}]={offsets[cur]} overlaps {items_name}[{prev}] which covers "
+            f"[{offsets[prev]}, {offsets[prev] + numels[prev]})"
+        )
+
+
+def _item_sizes(
+    op: str,
+    items_name: str,
+    items: Sequence[torch.Tensor | None],
+    offsets: list[int],
+    buffer_name: str,
+    buffer: torch.Tensor,
+    numels: list[int] | None = None,
+    allow_none: bool = False,
+) -> list[int]:
+    """Check every item of a multi-tensor op against the flat ``buffer``; return the item sizes.
+
+    Items must be supported-dtype tensors on ``buffer``'s device that do not partially alias it
+    (or ``None`` with ``allow_none``, sized by ``numels``). The loop does the cheap checks inline
+    and builds messages only on failure: a unit can have thousands of tensors.
+    """
+    device = buffer.device
+    buffer_storage = buffer.untyped_storage().data_ptr()
+    sizes = []
+    for i, item in enumerate(items):
+        if item is None and allow_none:
+            size = 0 if numels is None else numels[i]
+            if size < 0:
+                raise ValueError(f"{op}: numels[{i}]={size} is negative")
+            sizes.append(size)
+            continue
+        if not isinstance(item, torch.Tensor) or item.dtype not in _SUPPORTED or item.device != device:
+            check_tensor(op, f"{items_name}[{i}]", item)
+            check_same_device(op, f"{items_name}[{i}]", item, buffer_name, buffer)
+        size = item.numel()
+        if numels is not None and numels[i] != size:
+            raise ValueError(f"{op}: numels[{i}]={numels[i]} but {items_name}[{i}] has {size} elements")
+        if size and item.untyped_storage().data_ptr() == buffer_storage:
+            _check_aliasing(op, f"{items_name}[{i}]", item, buffer_name, buffer, offsets[i])
+        sizes.append(size)
+    return sizes
 
 
 def _check_aliasing(op: str, name: str, tensor: torch.Tensor, buffer_name: str, buffer: torch.Tensor,
@@ -158,20 +212,7 @@ def validate_flatten(
         numels = _as_int_list(op, "numels", numels)
         if len(numels) != len(tensors):
             raise ValueError(f"{op}: got {len(tensors)} tensors but {len(numels)} numels")
-    sizes = []
-    for i, tensor in enumerate(tensors):
-        if tensor is None:
-            size = 0 if numels is None else numels[i]
-            if size < 0:
-                raise ValueError(f"{op}: numels[{i}]={size} is negative")
-        else:
-            tensor = check_tensor(op, f"tensors[{i}]", tensor)
-            check_same_device(op, f"tensors[{i}]", tensor, "out", out)
-            size = tensor.numel()
-            if numels is not None and numels[i] != size:
-                raise ValueError(f"{op}: numels[{i}]={numels[i]} but tensors[{i}] has {size} elements")
-            _check_aliasing(op, f"tensors[{i}]", tensor, "out", out, offsets[i])
-        sizes.append(size)
+    sizes = _item_sizes(op, "tensors", tensors, offsets, "out", out, numels, allow_none=True)
     check_ranges(op, "tensors", offsets, sizes, "out", out.numel())
     return offsets, sizes, scale
 
@@ -189,20 +230,8 @@ def validate_unflatten(
     offsets = _as_int_list(op, "offsets", offsets)
     if len(offsets) != len(outs):
         raise ValueError(f"{op}: got {len(outs)} outs but {len(offsets)} offsets")
-    sizes = []
-    for i, out in enumerate(outs):
-        out = check_tensor(op, f"outs[{i}]", out)
-        check_same_device(op, f"outs[{i}]", out, "flat", flat)
-        _check_aliasing(op, f"outs[{i}]", out, "flat", flat, offsets[i])
-        sizes.append(out.numel())
-    for i, (offset, size) in enumerate(zip(offsets, sizes)):
-        if offset < 0:
-            raise ValueError(f"{op}: offsets[{i}]={offset} is negative")
-        if offset + size > flat.numel():
-            raise ValueError(
-                f"{op}: offsets[{i}]={offset} with outs[{i}] of {size} elements ends at "
-                f"{offset + size}, past flat.numel()={flat.numel()}"
-            )
+    sizes = _item_sizes(op, "outs", outs, offsets, "flat", flat)
+    check_ranges(op, "outs", offsets, sizes, "flat", flat.numel(), disjoint=False)
     return offsets, sizes
 
 
