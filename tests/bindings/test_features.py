@@ -240,3 +240,43 @@ def test_unshard_is_zero_copy_out():
         assert p.data_ptr() == base + off * 2 and p.dtype == torch.bfloat16
     model.reshard()
     assert group.unsharded_flat.untyped_storage().nbytes() == 0
+
+
+class _Dynamic(nn.Module):
+    """Block a runs twice; block c runs only on odd steps (a changed execution order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5)
+
+    def forward(self, x, step):
+        x = torch.tanh(self.a(x))
+        x = torch.tanh(self.b(x))
+        if step % 2:
+            x = torch.tanh(self.c(x))
+        return self.a(x)
+
+
+def _dynamic(rank, world_size):
+    torch.manual_seed(0)
+    model = _Dynamic()
+    ref = copy.deepcopy(model)
+    for m in (model.a, model.b, model.c, model):
+        flashfsdp.fully_shard(m)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x = torch.randn(2 * world_size, 5, generator=g)
+        model(local_rows(x, rank, world_size), step).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x, step).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return gather_full_params(model), {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def test_module_run_twice_and_changing_order_train_correctly():
+    for got, want in run_distributed(_dynamic, 2):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
