@@ -1,0 +1,192 @@
+"""Shared benchmark utilities: environment stamp, timing, tables (text, CSV, Markdown) and bar charts.
+
+Generic on purpose: every benchmark (``benchmarks.kernels``, ``benchmarks.step``,
+``benchmarks.overlap``) builds a list of row dicts, stamps them with :func:`environment`, prints
+:func:`format_table` and saves with :func:`write_csv`, :func:`write_markdown` and
+:func:`bar_chart` under :func:`results_dir` (``benchmarks/results/<device slug>/``), in the style
+of the Triton tutorials' ``triton.testing`` benchmarks and Liger-Kernel's
+``benchmark/scripts/utils.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import math
+import platform
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Where and with what a benchmark ran; :meth:`stamp` gives the columns every row carries."""
+
+    device_type: str  # "cuda" or "cpu"
+    device_name: str  # e.g. "NVIDIA H100 80GB HBM3", "cpu (AMD EPYC, 2 threads)"
+    slug: str  # results folder name: "nvidia-h100-80gb-hbm3", "cpu"
+    torch_version: str
+    triton_version: str
+    date: str  # UTC, ISO 8601, seconds
+
+    def stamp(self) -> dict[str, str]:
+        """The per-row columns: device, torch, triton, date."""
+        return {"device": self.device_name, "torch": self.torch_version, "triton": self.triton_version,
+                "date": self.date}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def slugify(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def environment(device: torch.device) -> Environment:
+    """Describe ``device`` and the software versions now. CPU results all go to the ``cpu`` folder."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 - missing or broken Triton
+        triton_version = "unavailable"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        slug = slugify(name)
+    else:
+        threads = torch.get_num_threads()
+        name = f"cpu ({_cpu_model()}, {threads} thread{'' if threads == 1 else 's'})"
+        slug = "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    return Environment(device.type, name, slug, torch.__version__, triton_version, date)
+
+
+def results_dir(slug: str) -> Path:
+    """``benchmarks/results/<slug>/``, created if missing."""
+    path = RESULTS_ROOT / slug
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def measure_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 7,
+               cuda_warmup_ms: int = 25, cuda_rep_ms: int = 100) -> float:
+    """Median wall time of ``fn()`` in milliseconds.
+
+    CUDA: ``triton.testing.do_bench`` (L2 flushed between runs, CUDA events, median); host-side
+    launch overhead shows up when it exceeds the GPU time. CPU: ``warmup`` untimed calls, then the
+    median of ``repeats`` ``time.perf_counter`` intervals.
+    """
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=cuda_warmup_ms, rep=cuda_rep_ms, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def gigabytes_per_second(n_bytes: int, ms: float) -> float:
+    """Throughput in GB/s (10^9 bytes per second)."""
+    return n_bytes / (ms * 1e-3) / 1e9 if ms > 0 else math.inf
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return "" if value is None else str(value)
+
+
+def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> str:
+    """A fixed-width plain-text table of ``columns`` (floats to 4 significant digits)."""
+    cells = [[_cell(row.get(column)) for column in columns] for row in rows]
+    widths = [max([len(column)] + [len(line[i]) for line in cells]) for i, column in enumerate(columns)]
+    lines = ["  ".join(column.ljust(width) for column, width in zip(columns, widths)),
+             "  ".join("-" * width for width in widths)]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)) for line in cells]
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[Mapping[str, object]], path: Path) -> None:
+    """All rows, all their keys (in first-seen order) as columns."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_markdown(rows: Sequence[Mapping[str, object]], columns: Sequence[str], path: Path, *,
+                   title: str, env: Environment, notes: Sequence[str] = ()) -> None:
+    """A Markdown page: title, environment line, notes, and a table of ``columns``."""
+    lines = [f"# {title}", "",
+             f"Device: {env.device_name} · torch {env.torch_version} · triton {env.triton_version} · {env.date}", ""]
+    lines += [f"- {note}" for note in notes]
+    if notes:
+        lines.append("")
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    lines += ["| " + " | ".join(_cell(row.get(column)) for column in columns) + " |" for row in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def bar_chart(path: Path, panels: Mapping[str, tuple[Sequence[str], Mapping[str, Sequence[float]]]], *,
+              ylabel: str, title: str) -> None:
+    """Grouped bar charts, one panel per entry of ``panels``, saved as PNG (matplotlib, Agg).
+
+    ``panels[name] = (group labels, {series name: one value per group})``; NaN values leave gaps.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
+    for axis, (name, (groups, series)) in zip(axes[:, 0], panels.items()):
+        width = 0.8 / max(1, len(series))
+        for i, (label, values) in enumerate(series.items()):
+            positions = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+            axis.bar(positions, values, width=width, label=label)
+        axis.set_xticks(range(len(groups)))
+        axis.set_xticklabels(groups, rotation=20, ha="right", fontsize=8)
+        axis.set_title(name)
+        axis.set_ylabel(ylabel)
+        axis.grid(axis="y", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def environment_columns() -> list[str]:
+    """Names of the columns :meth:`Environment.stamp` adds, for column lists."""
+    return list(Environment("", "", "", "", "", "").stamp())
+
+
+__all__ = [
+    "Environment", "environment", "slugify", "results_dir", "measure_ms", "gigabytes_per_second",
+    "format_table", "write_csv", "write_markdown", "bar_chart", "environment_columns",
+]
