@@ -112,7 +112,9 @@ def flatten(
     ``numels``). This is the job of FSDP2's ``torch._foreach_copy_`` into split views of the
     all-gather input (copy-in, with a cast to ``param_dtype``) and of ``torch._chunk_cat`` packing
     gradients for reduce-scatter (cast to ``reduce_dtype``, pre-divide ``scale``, zero padding),
-    done here in one launch for a whole unit.
+    done here in one launch for a whole unit: the Triton path reads a device table of pointers,
+    dtype codes, offsets and sizes, casts each entry from its own dtype (mixed input dtypes share
+    the launch, no grouping by dtype) and writes the gaps' zeros in the same pass.
 
     Args:
         tensors: sequence of tensors of dtype float32, bfloat16 or float16 (mixed dtypes allowed),

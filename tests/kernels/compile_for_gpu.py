@@ -1,11 +1,12 @@
 """Compile every kernel for an H100 (sm_90) without a GPU and report its global memory accesses.
 
 Run as ``TRITON_INTERPRET=0 python -m tests.kernels.compile_for_gpu``: prints one JSON object
-mapping ``kernel[variant]`` to the sorted ``ld.global`` / ``st.global`` PTX instructions it uses.
+mapping ``kernel[variant]`` to the count of each ``ld.global`` / ``st.global`` PTX instruction.
 The Triton wheel ships the NVIDIA backend and ptxas, so this checks on a CPU-only machine that the
 kernels build for a real GPU and that their hot paths use 16-byte vector accesses (``.v4.b32``).
 """
 
+import collections
 import importlib
 import json
 import re
@@ -26,14 +27,14 @@ DIVISIBLE_16 = [["tt.divisibility", 16]]
 
 
 def compile_kernel(fn, signature, constexprs, divisible, num_warps):
-    """PTX global loads and stores of ``fn`` compiled for :data:`TARGET`."""
+    """How many PTX global loads and stores of each kind ``fn`` compiled for :data:`TARGET` has."""
     names = list(signature)
     attrs = {(names.index(name),): DIVISIBLE_16 for name in divisible}
     source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False})
     ptx = compiled.asm["ptx"]
-    return sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", ptx)))
+    return dict(collections.Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx)))
 
 
 def main():

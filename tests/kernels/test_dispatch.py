@@ -114,13 +114,27 @@ def ptxas_available():
 
 @pytest.mark.skipif(not ptxas_available(), reason="needs Triton's NVIDIA backend (ptxas)")
 def test_kernels_compile_for_h100_with_vector_accesses():
-    """The kernels build for sm_90 without a GPU; hot paths use 16-byte loads and stores."""
+    """The kernels build for sm_90 without a GPU, and their hot paths use 16-byte accesses.
+
+    flatten's aligned full-block path must load every input dtype with ``ld.global.v4.b32``
+    (per thread: 16 fp32 elements = 4 vectors, 16 bf16 or fp16 = 2 each), and unflatten's must
+    store every output dtype that way.
+    """
+    from flashfsdp.kernels.flatten import BLOCK, NUM_WARPS
+
     report = json.loads(run_python(
         "from tests.kernels.compile_for_gpu import main; main()",
         TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="0",
     ))
     assert len(report) == 10
+    per_thread = BLOCK // (32 * NUM_WARPS)
+    vectors_for_three_dtypes = per_thread // 4 + 2 * (per_thread // 8)
     for kernel, accesses in report.items():
-        if kernel != "finalize":
-            assert "ld.global.v4.b32" in accesses, (kernel, accesses)
-            assert "st.global.v4.b32" in accesses, (kernel, accesses)
+        if kernel.startswith("flatten"):
+            assert accesses.get("ld.global.v4.b32") == vectors_for_three_dtypes, (kernel, accesses)
+            assert accesses.get("st.global.v4.b32"), (kernel, accesses)
+        elif kernel.startswith("unflatten"):
+            assert accesses.get("st.global.v4.b32") == vectors_for_three_dtypes, (kernel, accesses)
+            assert accesses.get("ld.global.v4.b32"), (kernel, accesses)
+        elif kernel.startswith("accumulate"):
+            assert accesses.get("ld.global.v4.b32") and accesses.get("st.global.v4.b32"), (kernel, accesses)
