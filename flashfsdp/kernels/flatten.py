@@ -85,7 +85,10 @@ def flatten_triton(
     if not lengths:
         return out
     table, n_blocks = segment_table(addresses, codes, starts, lengths, out, BLOCK)
+    # No multiply-add to fuse here; passing enable_fp_fusion keeps Triton 3.9 from warning about
+    # its changing default.
     flatten_kernel[(n_blocks,)](
-        table, len(lengths), out, scale, BLOCK=BLOCK, APPLY_SCALE=scale != 1.0, num_warps=NUM_WARPS
+        table, len(lengths), out, scale,
+        BLOCK=BLOCK, APPLY_SCALE=scale != 1.0, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
     return out

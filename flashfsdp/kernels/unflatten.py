@@ -65,6 +65,8 @@ def unflatten_triton(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[
     if not lengths:
         return
     table, n_blocks = segment_table(addresses, codes, starts, lengths, flat, BLOCK)
-    unflatten_kernel[(n_blocks,)](table, len(lengths), flat, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    unflatten_kernel[(n_blocks,)](  # enable_fp_fusion: see flatten_triton
+        table, len(lengths), flat, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False
+    )
     for out, temporary in write_backs:
         out.copy_(temporary)

@@ -50,9 +50,13 @@ def ops(request):
 
 
 @pytest.fixture
-def triton_ops():
-    """The ops on the Triton path only (for the costlier cases, run once rather than per path)."""
-    if dispatch.triton_device_type() is None:
-        pytest.skip("triton cannot be imported")
+def cuda_triton_ops():
+    """The ops on compiled Triton kernels for CUDA tensors (the ``gpu`` tests).
+
+    Skips unless the kernels were compiled, i.e. the tests run on a GPU machine with
+    ``TRITON_INTERPRET=0`` (the root conftest sets it to 1 only when it is unset).
+    """
+    if dispatch.triton_device_type() != "cuda" or not torch.cuda.is_available():
+        pytest.skip("needs compiled Triton kernels on CUDA: run with TRITON_INTERPRET=0 on a GPU machine")
     with dispatch.use_backend("triton"):
         yield _ops("triton")

@@ -106,14 +106,14 @@ def test_src_aliasing_dst_doubles_it(ops, device):
 
 
 @pytest.mark.gpu
-def test_past_2_to_31_elements(triton_ops):
+def test_past_2_to_31_elements(cuda_triton_ops):
     """64-bit offsets over a 2^31 + BLOCK element bf16 shard (4 GiB)."""
     device = torch.device("cuda")
     numel = 2**31 + BLOCK + 3
     src = torch.ones(numel, dtype=torch.bfloat16, device=device)
     dst = torch.zeros(numel, dtype=torch.bfloat16, device=device)
     dst[-5:] = 2.0
-    norm_sq, nonfinite = triton_ops.accumulate_grad_shard(src, dst, scale=0.5)
+    norm_sq, nonfinite = cuda_triton_ops.accumulate_grad_shard(src, dst, scale=0.5)
     assert float(dst[-1]) == 2.5 and float(dst[2**31 + 1]) == 0.5 and float(dst[0]) == 0.5
     expected = (numel - 5) * 0.25 + 5 * 6.25
     torch.testing.assert_close(norm_sq.double().cpu(), torch.tensor(expected, dtype=torch.float64), rtol=NORM_RTOL, atol=0)

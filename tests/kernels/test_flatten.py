@@ -141,28 +141,30 @@ def test_property_triton(layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
-def test_past_2_to_31_elements(triton_ops, out_dtype):
-    """64-bit offsets: ranges past element 2^31 (and byte 2^32) of the output."""
+def test_past_2_to_31_elements(cuda_triton_ops, out_dtype):
+    """64-bit offsets: ranges across and past element 2^31 (byte 2^32 for bf16, 2^33 for fp32)."""
     device = torch.device("cuda")
-    numel = 2**31 + 3 * BLOCK
-    out = torch.full((numel,), float("nan"), dtype=out_dtype, device=device)
-    small = random_tensor((1000,), torch.float32, device, seed=5)
+    out = torch.full((2**31 + 3 * BLOCK,), float("nan"), dtype=out_dtype, device=device)
     big = random_tensor((2 * BLOCK + 17,), torch.bfloat16, device, seed=6)
-    offsets = [2**31 + 5, 2**31 - BLOCK]
-    triton_ops.flatten([small, big], offsets, out, scale=0.5)
-    assert_same(out[2**31 + 5 : 2**31 + 1005], (small.float() * 0.5).to(out_dtype))
-    assert_same(out[2**31 - BLOCK : 2**31 + BLOCK + 17], (big.float() * 0.5).to(out_dtype))
-    assert torch.count_nonzero(out[: 2**31 - BLOCK]) == 0
-    assert torch.count_nonzero(out[2**31 + 1005 :]) == 0
+    small = random_tensor((1000,), torch.float32, device, seed=5)
+    big_at, small_at = 2**31 - BLOCK, 2**31 + BLOCK + 100  # big straddles element 2^31
+    big_end, small_end = big_at + big.numel(), small_at + small.numel()
+    cuda_triton_ops.flatten([small, big], [small_at, big_at], out, scale=0.5)
+    assert_same(out[big_at:big_end], (big.float() * 0.5).to(out_dtype))
+    assert_same(out[small_at:small_end], (small.float() * 0.5).to(out_dtype))
+    for gap in (out[:big_at], out[big_end:small_at], out[small_end:]):
+        assert torch.count_nonzero(gap) == 0  # nan counts as nonzero: every gap element was written
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
-def test_gpu_rounding_matches_torch_on_many_values(triton_ops, out_dtype):
-    """Compiled kernels round like torch's CUDA casts on 2^24 random bit patterns."""
-    device = torch.device("cuda")
-    bits = torch.randint(-(2**31), 2**31 - 1, (2**24,), dtype=torch.int32, device=device)
-    values = bits.view(torch.float32)
-    out = torch.empty(values.numel(), dtype=out_dtype, device=device)
-    triton_ops.flatten([values], [0], out)
+@overflow_is_expected
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=dtype_id)
+def test_random_bit_patterns_round_like_torch(ops, device, out_dtype):
+    """Every fp32 bit pattern class (normals, subnormals, inf, nan payloads) casts like torch's
+    ``Tensor.to``: 4096 patterns on CPU, 2^24 on a GPU."""
+    count = 2**24 if device.type == "cuda" else 2**12
+    generator = torch.Generator().manual_seed(11)
+    bits = torch.randint(-(2**31), 2**31 - 1, (count,), dtype=torch.int32, generator=generator)
+    values = bits.view(torch.float32).to(device)
+    out = torch.empty(count, dtype=out_dtype, device=device)
+    ops.flatten([values], [0], out)
     assert_same(out, values.to(out_dtype))

@@ -89,13 +89,13 @@ def test_flatten_then_unflatten_round_trips(ops, device):
 
 
 @pytest.mark.gpu
-def test_past_2_to_31_elements(triton_ops):
+def test_past_2_to_31_elements(cuda_triton_ops):
     """64-bit offsets: reads past element 2^31 (byte 2^32) of a bf16 flat buffer."""
     device = torch.device("cuda")
     flat = torch.zeros(2**31 + 2 * BLOCK, dtype=torch.bfloat16, device=device)
     flat[2**31 - 100 : 2**31 + BLOCK] = random_tensor((BLOCK + 100,), torch.bfloat16, device, seed=8)
     outs = [torch.empty(BLOCK + 100, dtype=torch.float32, device=device),
             torch.empty(7, dtype=torch.float16, device=device)]
-    triton_ops.unflatten(flat, [2**31 - 100, 2**31 + 3], outs)
+    cuda_triton_ops.unflatten(flat, [2**31 - 100, 2**31 + 3], outs)
     assert_same(outs[0], flat[2**31 - 100 : 2**31 + BLOCK].float())
     assert_same(outs[1], flat[2**31 + 3 : 2**31 + 10].half())
