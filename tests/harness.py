@@ -33,6 +33,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, kernels: s
         else:
             result = fn(rank, world_size, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears the group down while another still talks to it
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
         raise

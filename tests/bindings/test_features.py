@@ -220,8 +220,9 @@ class _CountWrites(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "aten":
             for arg, value in zip(func._schema.arguments, args):
-                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
-                    self.written += value.numel()
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    values = value if isinstance(value, (list, tuple)) else [value]
+                    self.written += sum(v.numel() for v in values if isinstance(v, torch.Tensor))
         return out
 
 
