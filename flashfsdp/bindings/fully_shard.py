@@ -20,6 +20,7 @@ from flashfsdp.runtime.unit import ShardedUnit
 
 from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState
+from .state_dict import install_state_dict_hooks
 
 _COMMUNICATOR_KINDS = ("auto", "nccl", "process_group")
 _nccl_cache: dict[tuple, Communicator] = {}
@@ -78,6 +79,21 @@ class FSDPModule:
         for state in self._fsdp_states(recurse):
             if not state.is_root:
                 state.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_max_inflight_all_gathers(self, max_inflight: int) -> None:
+        """Prefetch at most ``max_inflight`` units ahead of compute (default 2; 0 disables prefetch).
+
+        Takes effect for the steps this module drives as the root (call it on the root).
+
+        Raises:
+            ValueError: ``max_inflight`` is not an integer >= 0.
+        """
+        if not isinstance(max_inflight, int) or isinstance(max_inflight, bool) or max_inflight < 0:
+            raise ValueError(f"set_max_inflight_all_gathers: max_inflight must be an integer >= 0, got {max_inflight!r}")
+        state = _state_of(self, "set_max_inflight_all_gathers")
+        state.max_inflight = max_inflight
+        if state.ctx is not None and state.is_root:
+            state.ctx.policy.max_inflight = max_inflight
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Unshard these units when this one starts its forward (replaces the implicit choice)."""
@@ -154,7 +170,11 @@ def fully_shard(
     )
     cls = module.__class__
     module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__dict__["_flashfsdp_state"] = FSDPState(module, unit, registrations, mp_policy, reshard_after_forward)
+    state = FSDPState(module, unit, registrations, mp_policy, reshard_after_forward)
+    module.__dict__["_flashfsdp_state"] = state
+    # state_dict() yields each unit parameter as a ShardedPiece that torch.distributed.checkpoint
+    # saves and reshards; load_state_dict() writes into the sharded pieces (see state_dict.py).
+    install_state_dict_hooks(module, state)
     return module
 
 

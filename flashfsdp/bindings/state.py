@@ -84,6 +84,7 @@ class FSDPState:
         self.requires_gradient_sync = True
         self.training_state = TrainingState.IDLE
         self.ctx: RootContext | None = None
+        self.max_inflight = 2  # prefetched units ahead of compute, when this state is the root
         self.explicit_forward_prefetch: list[FSDPState] | None = None
         self.explicit_backward_prefetch: list[FSDPState] | None = None
         # The registrations still hold the original full parameters: install the pieces.
@@ -136,7 +137,7 @@ class FSDPState:
         if self.ctx is not None:
             return
         states = [m._flashfsdp_state for m in self.module.modules() if hasattr(m, "_flashfsdp_state")]
-        ctx = RootContext(root=self, states=states)
+        ctx = RootContext(root=self, states=states, policy=PrefetchPolicy(max_inflight=self.max_inflight))
         names = {id(m): n for n, m in self.module.named_modules()}
         for state in states:
             state.ctx = ctx

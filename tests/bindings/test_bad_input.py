@@ -122,3 +122,9 @@ def _two_d_mesh(rank, world_size):
 def test_mesh_that_is_not_one_dimensional():
     (message,) = run_distributed(_two_d_mesh, 1)
     assert message is not None and "mesh must be a 1-D DeviceMesh, got 2" in message
+
+
+def test_max_inflight_must_be_a_non_negative_integer():
+    model = fully_shard(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="max_inflight must be an integer >= 0"):
+        model.set_max_inflight_all_gathers(-1)

@@ -281,3 +281,29 @@ def test_module_run_twice_and_changing_order_train_correctly():
     for got, want in run_distributed(_dynamic, 2):
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+
+
+def _prefetch_counts(rank, world_size, max_inflight):
+    model = _Stack(n_blocks=6, d=8)
+    for b in model.blocks:
+        flashfsdp.fully_shard(b)
+    flashfsdp.fully_shard(model)
+    model.set_max_inflight_all_gathers(max_inflight)
+    # Unit 0 prefetches units 1..3 explicitly; the root's limit decides how many it gets.
+    model.blocks[0].set_modules_to_forward_prefetch(list(model.blocks[1:4]))
+    seen = []
+
+    def count(*_):
+        seen.append(sum(s.unit.memory_bytes()["unsharded"] > 0 for s in (b._flashfsdp_state for b in model.blocks)))
+
+    model.blocks[0].register_forward_pre_hook(count)  # runs after flashfsdp's own pre-hook
+    for _ in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("max_inflight", [0, 2])
+def test_max_inflight_bounds_prefetched_units(max_inflight):
+    (seen,) = run_distributed(_prefetch_counts, 1, max_inflight)
+    # At block 0's forward: block 0 itself plus the admitted prefetches.
+    assert seen[-1] == 1 + max_inflight
