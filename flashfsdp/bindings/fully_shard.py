@@ -117,7 +117,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh=None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
@@ -131,7 +131,8 @@ def fully_shard(
         mesh: a 1-D ``DeviceMesh`` whose group shards the unit. None: the default process group,
             or a single rank (W = 1) when torch.distributed is not initialised.
         reshard_after_forward: free the unsharded parameters after forward and all-gather again in
-            backward (ZeRO-3); False keeps them until backward ends (ZeRO-2-like, more memory).
+            backward (ZeRO-3); False keeps them until backward ends (ZeRO-2-like, more memory). An
+            int is a group size as in FSDP2: W means True, 1 means False; others are refused.
         mp_policy: ``param_dtype`` for forward/backward, ``reduce_dtype`` for the reduce-scatter.
         offload_policy: None or ``OffloadPolicy()``; ``CPUOffloadPolicy`` is not supported yet.
         ignored_params: parameters left as they are (not sharded, gradients not reduced).
@@ -147,7 +148,7 @@ def fully_shard(
             match the module's device; an unknown communicator.
         TypeError: a non-floating parameter, a bad ``mp_policy``.
         RuntimeError: W > 1 requested (``WORLD_SIZE`` set) but torch.distributed not initialised.
-        NotImplementedError: ``CPUOffloadPolicy``.
+        NotImplementedError: ``CPUOffloadPolicy``; ``reshard_after_forward`` an int other than 1 or W.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard: module must be an nn.Module, got {type(module).__name__}")
@@ -163,6 +164,7 @@ def fully_shard(
     params, fqns, registrations = _collect_params(module, ignored)
     device = _unit_device(module, params, mesh)
     comm = _make_communicator(mesh, communicator, device)
+    reshard_after_forward = _reshard_after_forward_flag(reshard_after_forward, comm.world_size)
     # Named by class here; the root renames every unit by its qualified name at lazy init.
     unit = ShardedUnit(
         type(module).__name__, params, fqns, comm, device,
@@ -176,6 +178,23 @@ def fully_shard(
     # saves and reshards; load_state_dict() writes into the sharded pieces (see state_dict.py).
     install_state_dict_hooks(module, state)
     return module
+
+
+def _reshard_after_forward_flag(value, world_size: int) -> bool:
+    """FSDP2's ``bool | int``: an int is the group size to reshard to after forward. W means a full
+    reshard (True) and 1 means none (False); sizes in between (ZeRO++ hpZ) are not supported yet."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value == world_size:
+            return True
+        if value == 1:
+            return False
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={value} (reshard to a group of {value} ranks after forward) is not "
+            f"supported yet; pass True (reshard over all {world_size} ranks) or False"
+        )
+    raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {type(value).__name__}")
 
 
 def _collect_params(module: nn.Module, ignored: set[int]):
