@@ -1,0 +1,35 @@
+"""Overlap simulator: predict step time, exposed communication and peak memory of sharded training.
+
+From a model's units (parameter bytes, forward/backward compute per unit, measured by
+``flashfsdp.profile()`` or derived from FLOPs), the world size W and an α–β link model, the
+simulator replays the runtime's own schedule policy (:mod:`flashfsdp.runtime.schedule`) on a
+compute stream and two communication streams and predicts one step. Times are seconds, sizes bytes.
+
+    >>> from flashfsdp import sim
+    >>> p = sim.simulate(sim.llama3_8b(), world_size=64, link="ib400")
+    >>> round(p.efficiency, 2)  # doctest: +SKIP
+
+``python -m benchmarks.overlap`` validates it against a measured CPU step and sweeps Llama-style
+8B and 70B models over W and link speeds.
+"""
+
+from .link import LINKS, Link, fit_alpha_beta, fit_link, get_link, ring_collective_s
+from .model import (
+    LLAMA3_70B,
+    LLAMA3_8B,
+    LlamaShape,
+    Model,
+    Unit,
+    llama3_70b,
+    llama3_8b,
+    llama_model,
+    model_from_measurements,
+)
+from .simulate import SETTINGS, Prediction, Setting, Span, compare_settings, prefetch_ahead, simulate
+
+__all__ = [
+    "LINKS", "Link", "fit_alpha_beta", "fit_link", "get_link", "ring_collective_s",
+    "LLAMA3_8B", "LLAMA3_70B", "LlamaShape", "Model", "Unit", "llama3_8b", "llama3_70b", "llama_model",
+    "model_from_measurements",
+    "SETTINGS", "Prediction", "Setting", "Span", "compare_settings", "prefetch_ahead", "simulate",
+]

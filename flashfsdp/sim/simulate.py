@@ -1,0 +1,589 @@
+"""Event simulation of one training step under the runtime's own schedule policy.
+
+The simulator replays what ``flashfsdp.bindings.state`` does, in the same order and through the
+same policy objects (:class:`~flashfsdp.runtime.schedule.ExecutionOrder` and
+:class:`~flashfsdp.runtime.schedule.PrefetchPolicy`), on a timeline of three streams:
+
+- **compute** — the units' forward and backward compute (and, on a CPU host, everything the one
+  Python thread does: copy-in, waits).
+- **all-gather** — copy-in (optionally) and the all-gathers, first in first out.
+- **reduce-scatter** — the reduce-scatters, first in first out.
+
+A collective issued at compute time t starts at t or when its stream is free, whichever is later
+(the runtime makes the side stream wait on the compute stream before it enqueues), and lasts the
+ring cost of :mod:`flashfsdp.sim.link` (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009).
+A wait blocks the compute stream until the collective ends; that blocked time is the **exposed**
+communication. ``shared_comm_stream=True`` puts both collectives on one FIFO (gloo on CPU: one
+worker runs every collective in issue order). ``share_link_bandwidth=True`` instead keeps two streams
+but lets an all-gather and a reduce-scatter that overlap split the link's bandwidth evenly (one NIC
+per rank), which the default (each collective at full bandwidth) does not.
+
+[Note: the step the simulator replays]
+Per step, mirroring ``FSDPState`` (``_pre_forward``, ``_post_forward``, ``_pre_backward``,
+``_post_backward``, ``_final_callback``, ``_prefetch``):
+
+1. root pre-forward: finish pending reductions; ``order.start_step()``; ``order.record(root)``;
+   wait for the root's all-gather (issuing it if no prefetch did); prefetch
+   ``policy.forward_targets(root)`` (candidates still sharded, ``policy.admit`` against the number
+   prefetched); the root's forward compute before its first block.
+2. every block, in order: ``order.record``; wait own all-gather; prefetch forward targets; forward
+   compute; reshard (if ``reshard_after_forward``; the root never reshards after forward).
+3. the rest of the root's forward; the loss (``Model.loss_s``).
+4. root pre-backward: wait own all-gather (still unsharded), prefetch
+   ``policy.backward_targets(root)``; the root's backward compute before the blocks'.
+5. every block, in reverse: pre-backward waits own all-gather and prefetches backward targets;
+   backward compute; post-backward issues the reduce-scatter (on a GPU after waiting on the previous
+   pack, see [Note: waiting on the previous pack]), then finishes the reductions issued before it
+   (on a CPU host, ``host_blocking=True``, that blocks the thread on them; on a GPU it only orders
+   the reduce-scatter stream), then reshards.
+6. the rest of the root's backward; the final callback runs the root's post-backward (its
+   reduce-scatter), reshards any unit prefetched but unused, and waits for every reduce-scatter.
+7. the optimizer step (``Model.optimizer_s``).
+
+The first simulated step records the execution order (no forward prefetch yet, as in the
+runtime); the prediction is the last of ``steps`` steps.
+
+Memory per rank (bytes): the sharded state of every unit (``Unit.state_bytes`` per sharded element)
+plus what the step allocates: a unit's unsharded parameters from its all-gather's issue to its
+reshard; its unsharded gradients from the start of its backward until they are packed (CPU host: its
+own post-backward; GPU: the next post-backward, when the compute stream has waited on the pack); the
+reduce-scatter's buffers (packed input and reduced shard) from issue until the runtime finishes the
+reduction (on a GPU the caching allocator hands the block back then and reuses it in stream order).
+Activations are not modelled.
+
+[Note: waiting on the previous pack]
+On a GPU, each post-backward makes the compute stream wait on the event recorded after the
+previous unit's gradient pack before dropping those gradients (``DeviceStreams.hold_until_passed``,
+FSDP2's reduce-scatter-input scheme). The simulator models the pack as taking no time, so that wait
+ends when the previous unit's reduce-scatter starts: reduce-scatters slower than backward compute
+stall the compute stream instead of queueing without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
+
+from .link import Link, check_world_size, get_link
+from .model import Model, Unit
+
+_EPS = 1e-15
+
+
+@dataclass
+class Span:
+    """One interval of the simulated timeline (seconds from the start of the predicted step)."""
+
+    stream: str  # "compute", "all_gather", "reduce_scatter" (or "comm" when shared)
+    kind: str  # "forward", "backward", "loss", "optimizer", "copy_in", "wait_all_gather", ...
+    unit: str
+    start: float
+    end: float
+
+
+@dataclass
+class Prediction:
+    """The simulator's prediction for one step (times in seconds, sizes in bytes).
+
+    Attributes:
+        world_size: W.
+        link: the link's name.
+        label: the setting's label (see :data:`SETTINGS`), or "".
+        step_s: step time: from the root's pre-forward to the end of the optimizer step.
+        compute_s: pure compute of the step (every unit's forward and backward, loss, optimizer).
+        exposed_s: time the compute stream waited on all-gathers and reduce-scatters.
+        host_copy_s: copy-in run on the compute thread (``host_blocking`` with a copy bandwidth).
+        all_gather_s: sum of the step's all-gather costs (ring model, full bandwidth).
+        reduce_scatter_s: sum of the step's reduce-scatter costs.
+        all_gathers: all-gathers issued in the step.
+        peak_bytes: peak memory per rank (see the module docstring).
+        sharded_bytes: the constant part of it, the sharded state.
+        timeline: the step's spans when ``record_timeline`` was set.
+    """
+
+    world_size: int
+    link: str
+    label: str
+    step_s: float
+    compute_s: float
+    exposed_s: float
+    host_copy_s: float
+    all_gather_s: float
+    reduce_scatter_s: float
+    all_gathers: int
+    peak_bytes: int
+    sharded_bytes: int
+    timeline: list[Span] = field(default_factory=list, repr=False)
+
+    @property
+    def comm_s(self) -> float:
+        """All communication of the step (seconds), overlapped or not."""
+        return self.all_gather_s + self.reduce_scatter_s
+
+    @property
+    def efficiency(self) -> float:
+        """Pure compute / step time (1.0: communication entirely hidden)."""
+        return self.compute_s / self.step_s if self.step_s > 0 else 1.0
+
+    def row(self) -> dict:
+        """A flat dict for tables: times in ms, memory in GiB."""
+        return {"setting": self.label, "link": self.link, "world_size": self.world_size,
+                "step_ms": self.step_s * 1e3, "compute_ms": self.compute_s * 1e3,
+                "exposed_ms": self.exposed_s * 1e3, "comm_ms": self.comm_s * 1e3,
+                "efficiency": self.efficiency, "peak_GiB": self.peak_bytes / 2**30}
+
+
+# ------------------------------------------------------------------------------------- streams
+
+
+@dataclass(eq=False)
+class _Op:
+    """A collective on a side stream: phases of (seconds left, uses the link)."""
+
+    stream: str
+    kind: str
+    unit: str
+    issue: float
+    phases: list
+    start: float | None = None
+    end: float | None = None
+
+
+class _CommEngine:
+    """FIFO side streams advanced as a fluid: each head op progresses at rate 1, or, with link
+    sharing, at 1/k while k heads are in a link-using phase. Ops are issued in time order and an op's
+    end is resolved only when the compute stream waits on it, so no later op can change it."""
+
+    def __init__(self, share_link: bool):
+        self.share_link = share_link
+        self.queues: dict[str, collections.deque] = {}
+        self.now = 0.0
+
+    def issue(self, op: _Op) -> None:
+        self._run(until_time=op.issue)
+        self.queues.setdefault(op.stream, collections.deque()).append(op)
+
+    def finish(self, op: _Op) -> float:
+        """When ``op`` ends (running the streams until it does; no op issued later can delay it)."""
+        self._run(until_op=op)
+        return op.end
+
+    def started(self, op: _Op) -> float:
+        """When ``op`` starts (running the streams until it does)."""
+        self._run(until_op=op, until_start=True)
+        return op.start
+
+    def drain(self) -> None:
+        """Run every stream empty."""
+        for queue in self.queues.values():
+            if queue:
+                self._run(until_op=queue[-1])
+
+    def _run(self, until_time: float | None = None, until_op: _Op | None = None, until_start: bool = False) -> None:
+        while True:
+            heads = [q[0] for q in self.queues.values() if q]
+            active = [h for h in heads if h.issue <= self.now]
+            for h in active:
+                if h.start is None:
+                    h.start = self.now
+            if until_op is not None and (until_op.start if until_start else until_op.end) is not None:
+                return
+            if until_time is not None and self.now >= until_time:
+                return
+            horizon = min([h.issue for h in heads if h.issue > self.now], default=math.inf)
+            if until_time is not None:
+                horizon = min(horizon, until_time)
+            if not active:
+                if horizon == math.inf:
+                    raise RuntimeError("overlap simulator: waiting for a collective that was never issued")
+                self.now = horizon
+                continue
+            on_link = sum(1 for h in active if h.phases and h.phases[0][1])
+            rates = [1.0 / on_link if self.share_link and on_link > 1 and h.phases and h.phases[0][1] else 1.0
+                     for h in active]
+            dt = min([h.phases[0][0] / r for h, r in zip(active, rates) if h.phases] + [horizon - self.now])
+            for h, r in zip(active, rates):
+                if h.phases:
+                    h.phases[0][0] -= dt * r
+            self.now += dt
+            for h in active:
+                while h.phases and h.phases[0][0] <= _EPS * max(1.0, self.now):
+                    h.phases.pop(0)
+                if not h.phases:
+                    h.end = self.now
+                    self.queues[h.stream].popleft()
+
+
+# ------------------------------------------------------------------------------------- runtime
+
+
+@dataclass
+class _UnitState:
+    unit: Unit
+    sharded: bool = True
+    op: _Op | None = None  # all-gather in flight
+    unsharded_mem: int = 0  # memory event id of the unsharded parameters
+
+
+class _Runtime:
+    """The runtime's per-step sequence (see [Note: the step the simulator replays])."""
+
+    def __init__(self, model: Model, world_size: int, link: Link, policy: PrefetchPolicy,
+                 reshard_after_forward: bool, forward_prefetch: Mapping[str, Sequence[str]] | None,
+                 backward_prefetch: Mapping[str, Sequence[str]] | None, shared_comm_stream: bool,
+                 share_link_bandwidth: bool, host_blocking: bool, copy_bandwidth: float | None):
+        self.model, self.W, self.link, self.policy = model, world_size, link, policy
+        self.reshard_after_forward = reshard_after_forward
+        self.fwd_lists = dict(forward_prefetch or {})
+        self.bwd_lists = dict(backward_prefetch or {})
+        self.shared = shared_comm_stream
+        self.host_blocking = host_blocking
+        self.copy_bandwidth = copy_bandwidth
+        self.engine = _CommEngine(share_link_bandwidth)
+        self.order = ExecutionOrder()
+        self.states = {u.name: _UnitState(u) for u in model.units}
+        self.prefetched: set[str] = set()
+        self.pending: list[tuple[_Op, int]] = []  # reduce-scatters not finished, with their memory id
+        self.held: tuple[_Op, int] | None = None  # the last reduce-scatter and its unit's gradients (GPU)
+        self.t = 0.0
+        self._reset_step()
+
+    # -------------------------------------------------------------- bookkeeping
+    def _reset_step(self) -> None:
+        self.step_start = self.t
+        self.exposed = 0.0
+        self.host_copy = 0.0
+        self.ag_cost = 0.0
+        self.rs_cost = 0.0
+        self.n_ag = 0
+        self.spans: list[Span] = []
+        self.ops: list[_Op] = []
+        # memory: id -> [alloc time, free time (None: not yet), bytes]
+        self.mem: dict[int, list] = {}
+
+    def _alloc(self, nbytes: int) -> int:
+        key = len(self.mem) + 1
+        self.mem[key] = [self.t, None, nbytes]
+        return key
+
+    def _free(self, key: int) -> None:
+        if key in self.mem:
+            self.mem[key][1] = self.t
+
+    def _compute(self, seconds: float, kind: str, unit: str) -> None:
+        if seconds > 0:
+            self.spans.append(Span("compute", kind, unit, self.t, self.t + seconds))
+            self.t += seconds
+
+    def _wait(self, op: _Op, until: str = "end") -> None:
+        end = self.engine.finish(op) if until == "end" else self.engine.started(op)
+        if end > self.t:
+            self.spans.append(Span("compute", f"wait_{op.kind}", op.unit, self.t, end))
+            self.exposed += end - self.t
+            self.t = end
+
+    def _stream(self, kind: str) -> str:
+        return "comm" if self.shared else kind
+
+    # -------------------------------------------------------------- unshard / reshard
+    def unshard(self, name: str) -> None:
+        st = self.states[name]
+        if not st.sharded or st.op is not None:
+            return
+        unit = st.unit
+        nbytes = unit.unsharded_bytes(self.W)
+        copy_s = 0.0
+        if self.copy_bandwidth:
+            copy_s = nbytes / self.W / self.copy_bandwidth  # this rank's shard, cast into its slice
+        phases = []
+        if copy_s and self.host_blocking:
+            self._compute(copy_s, "copy_in", name)
+            self.host_copy += copy_s
+        elif copy_s:
+            phases.append([copy_s, False])
+        st.unsharded_mem = self._alloc(nbytes)
+        cost = self.link.all_gather_s(nbytes, self.W)
+        latency = min(cost, self.link.latency_s(self.W, "all_gather"))
+        phases += [[latency, False], [cost - latency, True]]
+        op = _Op(self._stream("all_gather"), "all_gather", name, self.t, phases)
+        self.engine.issue(op)
+        self.ops.append(op)
+        self.ag_cost += cost
+        self.n_ag += 1
+        st.op = op
+
+    def wait_unshard(self, name: str) -> None:
+        st = self.states[name]
+        if st.sharded and st.op is None:
+            self.unshard(name)
+        if st.op is not None:
+            self._wait(st.op)
+            st.op = None
+            st.sharded = False
+        self.prefetched.discard(name)
+
+    def reshard(self, name: str) -> None:
+        st = self.states[name]
+        if st.op is not None:
+            self.wait_unshard(name)
+        if not st.sharded:
+            self._free(st.unsharded_mem)
+        st.sharded = True
+        self.prefetched.discard(name)
+
+    def prefetch(self, targets: Iterable[str]) -> None:
+        candidates = [t for t in targets if self.states[t].sharded and self.states[t].op is None]
+        for target in self.policy.admit(candidates, len(self.prefetched)):
+            self.unshard(target)
+            self.prefetched.add(target)
+
+    # -------------------------------------------------------------- gradients
+    def reduce_grads(self, name: str, grads_mem: int) -> None:
+        unit = self.states[name].unit
+        if self.host_blocking:
+            self._free(grads_mem)  # packed on the host thread: the gradients are gone
+        elif self.held is not None:
+            # hold_until_passed: the compute stream waits for the previous unit's pack (the start of
+            # its reduce-scatter, the pack taking no time here) and drops that unit's gradients.
+            prev_op, prev_grads = self.held
+            self._wait(prev_op, until="start")
+            self._free(prev_grads)
+        nbytes = unit.reduce_bytes_total(self.W)
+        cost = self.link.reduce_scatter_s(nbytes, self.W)
+        latency = min(cost, self.link.latency_s(self.W, "reduce_scatter"))
+        op = _Op(self._stream("reduce_scatter"), "reduce_scatter", name, self.t,
+                 [[latency, False], [cost - latency, True]])
+        self.engine.issue(op)
+        self.ops.append(op)
+        self.rs_cost += cost
+        if not self.host_blocking:
+            self.held = (op, grads_mem)
+        buffers = self._alloc(nbytes + nbytes // self.W)  # packed input + reduced shard
+        self.finish_pending()
+        self.pending.append((op, buffers))
+
+    def finish_pending(self) -> None:
+        """Finish the reductions issued so far: on a CPU host the thread blocks on each; on a GPU
+        only the reduce-scatter stream is ordered, and the buffers go back to the caching allocator
+        (reused in stream order by the next pack)."""
+        pending, self.pending = self.pending, []
+        for op, buffers in pending:
+            if self.host_blocking:
+                self._wait(op)
+            self._free(buffers)
+
+    # -------------------------------------------------------------- one step
+    def step(self) -> None:
+        model, root = self.model, self.model.root.name
+        blocks = [b.name for b in model.blocks]
+        # forward
+        self.finish_pending()
+        self.order.start_step()
+        self._reset_step()
+        self.order.record(root)
+        self.wait_unshard(root)
+        self.prefetch(self.policy.forward_targets(root, self.order, self.fwd_lists.get(root)))
+        self._compute(model.root.forward_s * model.root_forward_before, "forward", root)
+        for name in blocks:
+            self.order.record(name)
+            self.wait_unshard(name)
+            self.prefetch(self.policy.forward_targets(name, self.order, self.fwd_lists.get(name)))
+            self._compute(self.states[name].unit.forward_s, "forward", name)
+            if self.reshard_after_forward:
+                self.reshard(name)
+        self._compute(model.root.forward_s * (1 - model.root_forward_before), "forward", root)
+        self._compute(model.loss_s, "loss", "")
+        # backward
+        grads = {}
+        self.wait_unshard(root)
+        self.prefetch(self.policy.backward_targets(root, self.order, self.bwd_lists.get(root)))
+        grads[root] = self._alloc(model.root.unsharded_bytes(self.W))
+        self._compute(model.root.backward_s * (1 - model.root_backward_after), "backward", root)
+        for name in reversed(blocks):
+            unit = self.states[name].unit
+            self.wait_unshard(name)
+            self.prefetch(self.policy.backward_targets(name, self.order, self.bwd_lists.get(name)))
+            grads[name] = self._alloc(unit.unsharded_bytes(self.W))
+            self._compute(unit.backward_s, "backward", name)
+            self.reduce_grads(name, grads[name])
+            self.reshard(name)
+        self._compute(model.root.backward_s * model.root_backward_after, "backward", root)
+        # final callback: the root's post-backward, unused prefetches, then every reduce-scatter
+        self.reduce_grads(root, grads[root])
+        self.reshard(root)
+        for name in list(self.prefetched):
+            self.reshard(name)
+        self.finish_pending()
+        for op in self.ops:  # wait_for_reduce_scatter: the compute stream waits for the whole stream
+            if op.kind == "reduce_scatter":
+                self._wait(op)
+        if self.held is not None:  # release_held
+            self._free(self.held[1])
+            self.held = None
+        self._compute(model.optimizer_s, "optimizer", "")
+        self.engine.drain()
+
+    # -------------------------------------------------------------- results
+    def peak_step_bytes(self) -> int:
+        events = []
+        for alloc, free, nbytes in self.mem.values():
+            if free is None:
+                free = math.inf
+            events.append((alloc, 1, nbytes))
+            events.append((free, 0, -nbytes))  # at equal times frees go first
+        peak = current = 0
+        for _, _, delta in sorted(events):
+            current += delta
+            peak = max(peak, current)
+        return peak
+
+    def timeline(self) -> list[Span]:
+        t0 = self.step_start
+        spans = [Span(s.stream, s.kind, s.unit, s.start - t0, s.end - t0) for s in self.spans]
+        spans += [Span(op.stream, op.kind, op.unit, op.start - t0, op.end - t0) for op in self.ops]
+        return sorted(spans, key=lambda s: (s.start, s.stream))
+
+
+def simulate(model: Model, world_size: int, link: "Link | str", *, policy: PrefetchPolicy | None = None,
+             reshard_after_forward: bool = True, forward_prefetch: Mapping[str, Sequence[str]] | None = None,
+             backward_prefetch: Mapping[str, Sequence[str]] | None = None, shared_comm_stream: bool = False,
+             share_link_bandwidth: bool = False, host_blocking: bool = False,
+             copy_bandwidth: float | None = None, steps: int = 2, record_timeline: bool = False,
+             label: str = "") -> Prediction:
+    """Predict one training step of ``model`` on ``world_size`` ranks (see the module docstring).
+
+    Args:
+        model: the units and their compute (seconds) and bytes (:mod:`flashfsdp.sim.model`).
+        world_size: ranks W >= 1.
+        link: a :class:`~flashfsdp.sim.link.Link` or a name in :data:`~flashfsdp.sim.link.LINKS`.
+        policy: the runtime's prefetch policy (default ``PrefetchPolicy()``: forward and backward
+            prefetch, at most 2 in flight).
+        reshard_after_forward: free non-root units after forward (re-gathered for backward).
+        forward_prefetch, backward_prefetch: explicit prefetch lists by unit name, as
+            ``FSDPModule.set_modules_to_forward_prefetch`` / ``..._backward_prefetch`` set them.
+        shared_comm_stream: all-gathers and reduce-scatters share one FIFO (gloo on CPU).
+        share_link_bandwidth: concurrent all-gather and reduce-scatter split the bandwidth.
+        host_blocking: CPU-host semantics: waits block the thread (finishing reductions blocks on
+            them), and copy-in runs on the compute thread.
+        copy_bandwidth: bytes per second of the copy-in (the shard cast into the unsharded buffer);
+            None: free.
+        steps: steps simulated (>= 1); the first records the execution order; the last is reported.
+        record_timeline: keep the predicted step's spans in ``Prediction.timeline``.
+        label: a label carried into the prediction.
+
+    Returns:
+        the last step's :class:`Prediction`.
+
+    Raises:
+        ValueError: W < 1, an unknown link name, steps < 1, a bad copy bandwidth, or an explicit
+            prefetch list naming an unknown unit (the message names the argument).
+    """
+    check_world_size(world_size)
+    link = get_link(link)
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a flashfsdp.sim.Model, got {type(model).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if copy_bandwidth is not None and not (isinstance(copy_bandwidth, (int, float)) and copy_bandwidth > 0):
+        raise ValueError(f"copy_bandwidth must be > 0 bytes per second or None, got {copy_bandwidth!r}")
+    names = {u.name for u in model.units}
+    for arg, lists in (("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch)):
+        for key, targets in (lists or {}).items():
+            unknown = [n for n in (key, *targets) if n not in names]
+            if unknown:
+                raise ValueError(f"{arg}: unknown unit(s) {unknown}; units are {sorted(names)}")
+    runtime = _Runtime(model, world_size, link, policy if policy is not None else PrefetchPolicy(),
+                       reshard_after_forward, forward_prefetch, backward_prefetch, shared_comm_stream,
+                       share_link_bandwidth, host_blocking, copy_bandwidth)
+    for _ in range(steps):
+        runtime.step()
+    sharded = sum(u.sharded_state_bytes(world_size) for u in model.units)
+    return Prediction(
+        world_size=world_size, link=link.name, label=label, step_s=runtime.t - runtime.step_start,
+        compute_s=model.compute_s(), exposed_s=runtime.exposed, host_copy_s=runtime.host_copy,
+        all_gather_s=runtime.ag_cost, reduce_scatter_s=runtime.rs_cost, all_gathers=runtime.n_ag,
+        peak_bytes=sharded + runtime.peak_step_bytes(), sharded_bytes=sharded,
+        timeline=runtime.timeline() if record_timeline else [],
+    )
+
+
+# ------------------------------------------------------------------------------------- settings
+
+
+def prefetch_ahead(model: Model, depth: int) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Explicit prefetch lists reaching ``depth`` units ahead (forward) and behind (backward).
+
+    Forward: each unit prefetches the ``depth`` units after it in forward order (root first).
+    Backward: each block prefetches the ``depth`` blocks before it, as the implicit policy would
+    one deep (the root, first in forward order, gets no list). Pass the result as
+    ``simulate(..., forward_prefetch=f, backward_prefetch=b)``, or to the runtime through
+    ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+    order = [u.name for u in model.units]
+    forward = {n: order[i + 1:i + 1 + depth] for i, n in enumerate(order)}
+    backward = {n: order[max(1, i - depth):i][::-1] for i, n in enumerate(order) if i > 0}
+    return forward, backward
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A schedule configuration to compare.
+
+    Attributes:
+        label: the name in tables and plots.
+        forward, backward, max_inflight: the :class:`PrefetchPolicy` fields.
+        reshard_after_forward: free non-root units after forward.
+        depth: explicit prefetch lists this many units deep (:func:`prefetch_ahead`); 1: the
+            implicit policy alone.
+        root_prefetches_last_block: an explicit backward list making the root's pre-backward
+            prefetch the last block (which the implicit policy leaves to the block's own
+            pre-backward).
+    """
+
+    label: str
+    forward: bool = True
+    backward: bool = True
+    max_inflight: int = 2
+    reshard_after_forward: bool = True
+    depth: int = 1
+    root_prefetches_last_block: bool = False
+
+    def policy(self) -> PrefetchPolicy:
+        """The runtime's :class:`PrefetchPolicy` of this setting (explicit lists aside)."""
+        return PrefetchPolicy(self.forward, self.backward, self.max_inflight)
+
+    def simulate_kwargs(self, model: Model) -> dict:
+        """The :func:`simulate` keyword arguments of this setting for ``model``."""
+        kwargs = {"policy": self.policy(),
+                  "reshard_after_forward": self.reshard_after_forward, "label": self.label}
+        fwd, bwd = prefetch_ahead(model, self.depth) if self.depth > 1 else ({}, {})
+        if self.root_prefetches_last_block and model.blocks:
+            bwd = {**bwd, model.root.name: [model.blocks[-1].name]}
+        if fwd:
+            kwargs["forward_prefetch"] = fwd
+        if bwd:
+            kwargs["backward_prefetch"] = bwd
+        return kwargs
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("no prefetch", forward=False, backward=False),
+    Setting("backward only", forward=False),
+    Setting("fwd+bwd (default)"),
+    Setting("fwd+bwd, 2 deep, max_inflight 1", depth=2, max_inflight=1),
+    Setting("fwd+bwd, 2 deep, max_inflight 2", depth=2, max_inflight=2),
+    Setting("fwd+bwd, root prefetches last block", root_prefetches_last_block=True),
+    Setting("fwd+bwd, reshard_after_forward=False", reshard_after_forward=False),
+)
+
+
+def compare_settings(model: Model, world_size: int, link: "Link | str",
+                     settings: Sequence[Setting] = SETTINGS, **kwargs) -> list[Prediction]:
+    """:func:`simulate` under every setting (other keyword arguments passed through)."""
+    return [simulate(model, world_size, link, **s.simulate_kwargs(model), **kwargs) for s in settings]

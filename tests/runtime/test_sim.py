@@ -1,0 +1,313 @@
+"""The overlap simulator (flashfsdp.sim): cost model, schedule replay, memory, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flashfsdp import sim
+from flashfsdp.runtime.schedule import PrefetchPolicy
+
+MB = 2**20
+LINK = sim.Link("test", alpha_s=1e-5, bandwidth=1e9)
+W = 4
+
+
+def _model(n_blocks=4, block_numel=MB, root_numel=MB // 2, fwd=0.01, bwd=0.02, **kwargs) -> sim.Model:
+    """Blocks of ``block_numel`` bf16 params (fp32 reduction) and equal compute."""
+    root = sim.Unit("<root>", root_numel, kwargs.pop("root_fwd", fwd), kwargs.pop("root_bwd", bwd), reduce_bytes=4)
+    blocks = tuple(sim.Unit(f"layers.{i}", block_numel, fwd, bwd, reduce_bytes=4) for i in range(n_blocks))
+    return sim.Model(root, blocks, **kwargs)
+
+
+def _ag(unit: sim.Unit, link=LINK, world_size=W) -> float:
+    return link.all_gather_s(unit.unsharded_bytes(world_size), world_size)
+
+
+def _rs(unit: sim.Unit, link=LINK, world_size=W) -> float:
+    return link.reduce_scatter_s(unit.reduce_bytes_total(world_size), world_size)
+
+
+NO_PREFETCH = PrefetchPolicy(forward=False, backward=False)
+
+
+# ------------------------------------------------------------------------------------- cost model
+
+
+def test_ring_cost_formula():
+    nbytes, alpha, beta = 3 * MB, 7e-6, 25e9
+    for world_size in (2, 8, 4096):
+        expected = (world_size - 1) / world_size * nbytes / beta + (world_size - 1) * alpha
+        assert sim.ring_collective_s(nbytes, world_size, alpha, beta) == pytest.approx(expected)
+        link = sim.Link("l", alpha, beta)
+        assert link.all_gather_s(nbytes, world_size) == pytest.approx(expected)
+        assert link.reduce_scatter_s(nbytes, world_size) == pytest.approx(expected)
+    assert sim.ring_collective_s(nbytes, 1, alpha, beta) == 0.0
+    assert sim.ring_collective_s(0, 8, alpha, beta) == 0.0
+
+
+def test_fit_recovers_alpha_and_beta():
+    alpha, beta = 50e-6, 2e9
+    samples = [(n, 2, sim.ring_collective_s(n, 2, alpha, beta)) for n in (2**16, 2**20, 2**24)]
+    fit_alpha, fit_beta = sim.fit_alpha_beta(samples)
+    assert fit_alpha == pytest.approx(alpha, rel=1e-9)
+    assert fit_beta == pytest.approx(beta, rel=1e-9)
+    link = sim.fit_link("fitted", samples, [(n, w, 2 * t) for n, w, t in samples])
+    assert link.rs_alpha_s == pytest.approx(2 * alpha) and link.rs_bandwidth == pytest.approx(beta / 2)
+
+
+def test_named_links():
+    assert set(sim.LINKS) == {"nvlink", "ib400", "eth100"}
+    assert sim.get_link("ib400").bandwidth == 50e9
+    assert sim.get_link(LINK) is LINK
+
+
+# ------------------------------------------------------------------------------------- schedule
+
+
+def test_zero_comm_cost_step_is_total_compute():
+    model = _model(loss_s=0.003, optimizer_s=0.004, root_forward_before=0.5, root_backward_after=0.25)
+    free = sim.Link("free", 0.0, 1e30)
+    for kwargs in ({}, {"policy": NO_PREFETCH}, {"reshard_after_forward": False}, {"shared_comm_stream": True}):
+        pred = sim.simulate(model, W, free, **kwargs)
+        assert pred.step_s == pytest.approx(model.compute_s())
+        assert pred.exposed_s == pytest.approx(0.0, abs=1e-12)
+        assert pred.efficiency == pytest.approx(1.0)
+    assert sim.simulate(model, 1, LINK).step_s == pytest.approx(model.compute_s())  # W = 1 moves nothing
+
+
+def test_no_prefetch_shared_stream_exposes_all_communication():
+    model = _model()
+    pred = sim.simulate(model, W, LINK, policy=NO_PREFETCH, shared_comm_stream=True)
+    assert pred.all_gathers == 1 + 2 * len(model.blocks)  # root once, blocks in forward and backward
+    assert pred.exposed_s == pytest.approx(pred.comm_s)
+    assert pred.step_s == pytest.approx(model.compute_s() + pred.comm_s)
+
+
+def test_no_prefetch_exposes_every_all_gather_and_the_last_reduce_scatter():
+    model = _model(root_backward_after=0.5)  # the root's last backward compute hides the last block's RS
+    pred = sim.simulate(model, W, LINK, policy=NO_PREFETCH)
+    block = model.blocks[0]
+    assert _rs(block) < block.backward_s
+    expected = _ag(model.root) + 2 * len(model.blocks) * _ag(block) + _rs(model.root)
+    assert pred.exposed_s == pytest.approx(expected)
+
+
+def test_prefetch_hides_communication_when_compute_exceeds_it():
+    # root_forward_before: the embedding's compute hides the first block's all-gather
+    model = _model(root_forward_before=0.9, root_backward_after=0.5)
+    block = model.blocks[0]
+    assert _ag(block) < block.forward_s and _rs(block) < block.backward_s
+    pred = sim.simulate(model, W, LINK)
+    # Exposed: the root's all-gather (nothing runs before it), the last block's all-gather at the
+    # start of backward (the implicit policy prefetches it from the block's own pre-backward, the
+    # root's pre-backward has no unit before it), and the root's reduce-scatter (nothing after it).
+    assert pred.exposed_s == pytest.approx(_ag(model.root) + _ag(block) + _rs(model.root))
+    no = sim.simulate(model, W, LINK, policy=NO_PREFETCH)
+    assert pred.step_s < no.step_s
+
+
+def test_explicit_prefetch_list_goes_through_the_policy():
+    model = _model(root_forward_before=0.9, root_backward_after=0.5)
+    implicit = sim.simulate(model, W, LINK)
+    explicit = sim.simulate(model, W, LINK, backward_prefetch={"<root>": [model.blocks[-1].name]})
+    assert explicit.exposed_s == pytest.approx(_ag(model.root) + _rs(model.root))
+    assert explicit.step_s == pytest.approx(implicit.step_s - _ag(model.blocks[0]))
+
+
+def test_simulator_drives_the_runtime_policy():
+    calls = []
+
+    class Recording(PrefetchPolicy):
+        def forward_targets(self, key, order, explicit=None):
+            out = super().forward_targets(key, order, explicit)
+            calls.append(("forward", key, tuple(out)))
+            return out
+
+        def backward_targets(self, key, order, explicit=None):
+            out = super().backward_targets(key, order, explicit)
+            calls.append(("backward", key, tuple(out)))
+            return out
+
+        def admit(self, targets, inflight):
+            calls.append(("admit", tuple(targets), inflight))
+            return super().admit(targets, inflight)
+
+    model = _model(n_blocks=3)
+    sim.simulate(model, W, LINK, policy=Recording(), steps=2)
+    last_step = calls[len(calls) // 2:]
+    assert ("forward", "<root>", ("layers.0",)) in last_step
+    assert ("forward", "layers.1", ("layers.2",)) in last_step
+    assert ("backward", "layers.2", ("layers.1",)) in last_step
+    assert ("backward", "<root>", ()) in last_step
+    assert ("admit", ("layers.1",), 0) in last_step
+    # the first step has no recorded order yet: no forward prefetch
+    assert ("forward", "<root>", ()) in calls[:len(calls) // 2]
+
+
+def test_first_step_has_no_forward_prefetch():
+    model = _model(root_forward_before=0.9)
+    first = sim.simulate(model, W, LINK, steps=1)
+    second = sim.simulate(model, W, LINK, steps=2)
+    assert first.exposed_s > second.exposed_s
+
+
+def test_host_blocking_waits_on_reductions():
+    model = _model(bwd=0.001)  # reduce-scatters slower than backward compute
+    assert _rs(model.blocks[0]) > model.blocks[0].backward_s
+    gpu = sim.simulate(model, W, LINK)
+    cpu = sim.simulate(model, W, LINK, host_blocking=True)
+    assert cpu.step_s > gpu.step_s
+    copy = sim.simulate(model, W, LINK, host_blocking=True, copy_bandwidth=1e9)
+    gathered = model.root.unsharded_bytes(W) + 2 * sum(b.unsharded_bytes(W) for b in model.blocks)
+    assert copy.host_copy_s == pytest.approx(gathered / W / 1e9)  # this rank's shard, per all-gather
+    assert copy.step_s > cpu.step_s
+
+
+def test_shared_link_bandwidth_slows_concurrent_collectives():
+    model = _model(fwd=0.001, bwd=0.002)
+    separate = sim.simulate(model, W, LINK)
+    shared = sim.simulate(model, W, LINK, share_link_bandwidth=True)
+    fifo = sim.simulate(model, W, LINK, shared_comm_stream=True)
+    assert separate.step_s < shared.step_s <= fifo.step_s + 1e-12
+
+
+def test_timeline_accounts_for_the_step():
+    model = _model(loss_s=0.001, optimizer_s=0.002)
+    pred = sim.simulate(model, W, LINK, record_timeline=True)
+    compute = [s for s in pred.timeline if s.stream == "compute" and not s.kind.startswith("wait_")]
+    waits = [s for s in pred.timeline if s.kind.startswith("wait_")]
+    assert sum(s.end - s.start for s in compute) == pytest.approx(model.compute_s())
+    assert sum(s.end - s.start for s in waits) == pytest.approx(pred.exposed_s)
+    assert max(s.end for s in pred.timeline) == pytest.approx(pred.step_s)
+    gathers = [s for s in pred.timeline if s.kind == "all_gather"]
+    assert all(b.start >= a.end - 1e-12 for a, b in zip(gathers, gathers[1:]))  # one FIFO stream
+
+
+# ------------------------------------------------------------------------------------- memory
+
+
+def test_max_inflight_limits_peak_memory():
+    model = _model(n_blocks=6)
+    fwd, bwd = sim.prefetch_ahead(model, 3)
+    peaks = {m: sim.simulate(model, W, LINK, policy=PrefetchPolicy(max_inflight=m), forward_prefetch=fwd,
+                             backward_prefetch=bwd).peak_bytes for m in (0, 1, 2, 3)}
+    assert peaks[0] < peaks[1] < peaks[2] < peaks[3]
+    block = model.blocks[0].unsharded_bytes(W)
+    assert peaks[3] - peaks[2] == block and peaks[2] - peaks[1] == block
+
+
+def test_reshard_after_forward_false_keeps_parameters_and_skips_backward_all_gathers():
+    model = _model()
+    on = sim.simulate(model, W, LINK)
+    off = sim.simulate(model, W, LINK, reshard_after_forward=False)
+    assert on.all_gathers == 1 + 2 * len(model.blocks)
+    assert off.all_gathers == 1 + len(model.blocks)
+    assert off.peak_bytes > on.peak_bytes
+    # every unit's parameters are alive at the end of forward
+    assert off.peak_bytes >= off.sharded_bytes + sum(u.unsharded_bytes(W) for u in model.units)
+
+
+def test_sharded_state_shrinks_with_world_size():
+    model = _model()
+    for world_size in (1, 2, 8):
+        pred = sim.simulate(model, world_size, LINK)
+        assert pred.sharded_bytes == sum(u.padded_numel(world_size) // world_size * 16 for u in model.units)
+        assert pred.peak_bytes > pred.sharded_bytes
+
+
+def test_slow_reduce_scatters_do_not_pile_up_memory():
+    # GPU semantics: each post-backward makes the compute stream wait for the previous unit's pack,
+    # so at most a couple of reductions queue up however many blocks there are.
+    short, long = _model(n_blocks=4, bwd=0.001), _model(n_blocks=12, bwd=0.001)
+    a, b = sim.simulate(short, W, LINK), sim.simulate(long, W, LINK)
+    assert a.peak_bytes - a.sharded_bytes == b.peak_bytes - b.sharded_bytes
+    assert b.exposed_s > a.exposed_s  # the backward is bound by the reduce-scatters
+
+
+# ------------------------------------------------------------------------------------- builders
+
+
+def test_llama_builders():
+    m8, m70 = sim.llama3_8b(), sim.llama3_70b()
+    assert len(m8.blocks) == 32 and len(m70.blocks) == 80
+    assert m8.num_params() == pytest.approx(8.03e9, rel=0.01)
+    assert m70.num_params() == pytest.approx(70.55e9, rel=0.01)
+    block = m8.blocks[0]
+    matmul = sim.LLAMA3_8B.block_params() - 2 * 4096
+    assert block.forward_s + block.backward_s == pytest.approx(6 * matmul * 8192 / 400e12)
+    assert block.backward_s == pytest.approx(2 * block.forward_s)
+    assert block.param_bytes == 2 and block.reduce_bytes == 4
+    faster = sim.llama3_8b(flops_per_s=800e12)
+    assert faster.compute_s() == pytest.approx(m8.compute_s() / 2)
+    assert sim.llama3_8b(seq_len=8192).compute_s() > m8.compute_s()
+
+
+def test_settings_and_compare():
+    model = _model()
+    preds = sim.compare_settings(model, W, LINK)
+    assert [p.label for p in preds] == [s.label for s in sim.SETTINGS]
+    by = {p.label: p for p in preds}
+    assert by["fwd+bwd (default)"].step_s <= by["no prefetch"].step_s
+    row = preds[0].row()
+    assert row["step_ms"] == pytest.approx(preds[0].step_s * 1e3)
+
+
+def test_model_from_measurements_uses_milliseconds():
+    units = {"<root>": {"numel": 10, "forward_ms": 1.0, "backward_ms": 2.0},
+             "layers.0": {"numel": 20, "forward_ms": 3.0, "backward_ms": 6.0, "param_bytes": 4}}
+    model = sim.model_from_measurements(units, loss_s=0.001)
+    assert model.root.forward_s == pytest.approx(1e-3) and model.blocks[0].backward_s == pytest.approx(6e-3)
+    assert model.blocks[0].param_bytes == 4
+    assert model.compute_s() == pytest.approx(0.013)
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 2.0, True])
+def test_bad_world_size(world_size):
+    with pytest.raises(ValueError, match="world_size"):
+        sim.simulate(_model(), world_size, LINK)
+    with pytest.raises(ValueError, match="world_size"):
+        sim.ring_collective_s(MB, world_size, 1e-6, 1e9)
+
+
+@pytest.mark.parametrize("field,value", [("numel", -1), ("forward_s", -0.1), ("backward_s", math.nan),
+                                         ("param_bytes", -2)])
+def test_bad_unit(field, value):
+    kwargs = {"name": "u", "numel": 1, "forward_s": 0.0, "backward_s": 0.0, field: value}
+    with pytest.raises(ValueError, match=field):
+        sim.Unit(**kwargs)
+
+
+def test_bad_link_and_sizes():
+    with pytest.raises(ValueError, match="unknown link 'infiniband'.*nvlink"):
+        sim.simulate(_model(), W, "infiniband")
+    with pytest.raises(ValueError, match="nbytes"):
+        sim.ring_collective_s(-1, 2, 1e-6, 1e9)
+    with pytest.raises(ValueError, match="bandwidth"):
+        sim.Link("x", 1e-6, 0)
+    with pytest.raises(ValueError, match="alpha_s"):
+        sim.Link("x", -1e-6, 1e9)
+
+
+def test_bad_simulate_arguments():
+    model = _model()
+    with pytest.raises(ValueError, match="backward_prefetch.*nope"):
+        sim.simulate(model, W, LINK, backward_prefetch={"<root>": ["nope"]})
+    with pytest.raises(ValueError, match="steps"):
+        sim.simulate(model, W, LINK, steps=0)
+    with pytest.raises(ValueError, match="copy_bandwidth"):
+        sim.simulate(model, W, LINK, copy_bandwidth=-1.0)
+    with pytest.raises(ValueError, match="loss_s"):
+        sim.Model(model.root, model.blocks, loss_s=-1.0)
+    with pytest.raises(ValueError, match="root_forward_before"):
+        sim.Model(model.root, model.blocks, root_forward_before=1.5)
+    with pytest.raises(ValueError, match="unique"):
+        sim.Model(model.root, (model.blocks[0], model.blocks[0]))
+    with pytest.raises(ValueError, match="tokens_per_rank"):
+        sim.llama3_8b(tokens_per_rank=0)
+    with pytest.raises(ValueError, match="flops_per_s"):
+        sim.llama3_8b(flops_per_s=0)
