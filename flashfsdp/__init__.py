@@ -7,6 +7,13 @@ from flashfsdp.bindings.clip_grad import clip_grad_norm_
 from flashfsdp.bindings.fully_shard import FSDPModule, UnshardHandle, fully_shard
 from flashfsdp.bindings.functional import all_gather_with_grad
 from flashfsdp.bindings.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from flashfsdp.bindings.sharded_tensor import ShardedPiece
+from flashfsdp.bindings.state_dict import (
+    get_full_state_dict,
+    get_optimizer_state_dict,
+    set_full_state_dict,
+    set_optimizer_state_dict,
+)
 from flashfsdp.runtime.trace import profile
 
 __all__ = [
@@ -18,5 +25,10 @@ __all__ = [
     "CPUOffloadPolicy",
     "clip_grad_norm_",
     "all_gather_with_grad",
+    "ShardedPiece",
+    "get_full_state_dict",
+    "set_full_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
     "profile",
 ]

@@ -60,8 +60,11 @@ def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None,
                     grad_accum: int = 1, max_norm: float | None = None, checkpoint: bool = False,
-                    reshard_after_forward: bool = True) -> dict:
-    """Train with flashfsdp; return global-mean losses, norms and the full parameters."""
+                    reshard_after_forward: bool = True, full_state_dict: bool = False) -> dict:
+    """Train with flashfsdp; return global-mean losses, norms and the full parameters.
+
+    Optional: ``full_state_dict`` adds ``flashfsdp.get_full_state_dict(model)`` (rank 0; {} elsewhere).
+    """
     model = make_model(kind)
     kwargs = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -89,12 +92,19 @@ def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp
         if world_size > 1:
             dist.all_reduce(total)
         losses.append(total.item() / world_size)
-    return {"losses": losses, "norms": norms, "params": gather_full_params(model)}
+    result = {"losses": losses, "norms": norms, "params": gather_full_params(model)}
+    if full_state_dict:
+        result["full_state_dict"] = flashfsdp.get_full_state_dict(model)
+    return result
 
 
 def train_reference(kind: str, world_size: int, steps: int = 5, *, grad_accum: int = 1,
-                    max_norm: float | None = None, dtype: torch.dtype | None = None) -> dict:
-    """The replicated reference: one process, the whole global batch, AdamW."""
+                    max_norm: float | None = None, dtype: torch.dtype | None = None,
+                    state_dict: bool = False) -> dict:
+    """The replicated reference: one process, the whole global batch, AdamW.
+
+    ``state_dict`` adds the trained model's ``state_dict()`` (cloned) under "state_dict".
+    """
     model = make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
@@ -107,7 +117,10 @@ def train_reference(kind: str, world_size: int, steps: int = 5, *, grad_accum: i
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    result = {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    if state_dict:
+        result["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return result
 
 
 def train_torch_fsdp2(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None) -> dict:

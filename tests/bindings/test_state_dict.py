@@ -1,0 +1,262 @@
+"""State dicts of fully_shard'ed models: sharded (DCP), full, optimizer, and interoperability with FSDP2.
+
+One W = 2 run does the multi-rank work (sharded DCP save/load, full state dicts after init and after
+training, both directions of full and sharded checkpoints with ``torch.distributed.fsdp.fully_shard``);
+the W = 1 load of its sharded checkpoint and the error cases run in the test process itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+import flashfsdp
+from flashfsdp import ShardedPiece, get_full_state_dict, set_full_state_dict
+from flashfsdp.bindings.sharded_tensor import flat_range_boxes
+from flashfsdp.kernels.dispatch import use_backend
+from tests.harness import run_distributed
+from tests.models import llama_units, make_batch, make_llama
+from tests.training import train_flashfsdp, train_reference
+
+FP32_PARAMS = dict(rtol=1e-5, atol=1e-5)
+EXACT = dict(rtol=0, atol=0)
+
+
+def _llama(seed: int = 0):
+    """The test Llama plus a persistent buffer (the rotary tables are not persistent)."""
+    model = make_llama(seed)
+    model.norm.register_buffer("calibration", torch.arange(4.0) + seed)
+    return model
+
+
+def _sharded(model, shard=flashfsdp.fully_shard):
+    for unit in llama_units(model):
+        shard(unit)
+    return model
+
+
+def _fsdp2(seed: int):
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    return _sharded(_llama(seed), fully_shard)
+
+
+def _assert_same(got: dict, want: dict, **tol) -> None:
+    assert list(got) == list(want)
+    for key in want:
+        assert got[key].shape == want[key].shape and got[key].dtype == want[key].dtype, key
+        torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{key}: {m}", **(tol or EXACT))
+
+
+def _save_to_rank0_file(sd: dict, path: str) -> None:
+    if dist.get_rank() == 0:
+        torch.save(sd, path)
+    dist.barrier()
+
+
+def _state_dicts(rank, world_size, out):
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    res = {}
+    model = _sharded(_llama())
+    sd = model.state_dict()
+    res["keys"] = list(sd)
+    res["types"] = {k: type(v).__name__ for k, v in sd.items()}
+    res["dsd_keys"] = list(get_model_state_dict(model))
+    res["full"] = get_full_state_dict(model)
+    res["full_everywhere"] = get_full_state_dict(model, cpu_offload=False, rank0_only=False)
+    # sharded checkpoint of model.state_dict(); loaded at W = 2 here and at W = 1 by the test
+    dcp.save(model.state_dict(), checkpoint_id=os.path.join(out, "sharded"))
+    other = _sharded(_llama(seed=3))
+    other_sd = other.state_dict()
+    dcp.load(other_sd, checkpoint_id=os.path.join(out, "sharded"))
+    set_model_state_dict(other, other_sd)
+    res["reloaded"] = get_full_state_dict(other)
+    # after training
+    res["trained"] = train_flashfsdp("llama", rank, world_size, steps=3, full_state_dict=True)["full_state_dict"]
+    # full checkpoint: flashfsdp -> file -> FSDP2
+    _save_to_rank0_file(res["full"], os.path.join(out, "flash_full.pt"))
+    fsdp2 = _fsdp2(seed=4)
+    loaded = torch.load(os.path.join(out, "flash_full.pt")) if rank == 0 else {}
+    set_model_state_dict(fsdp2, loaded, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    res["fsdp2_from_flash"] = get_model_state_dict(fsdp2, options=full_options)
+    # full checkpoint: FSDP2 -> file -> flashfsdp
+    fsdp2 = _fsdp2(seed=5)
+    res["fsdp2_full"] = get_model_state_dict(fsdp2, options=full_options)
+    _save_to_rank0_file(res["fsdp2_full"], os.path.join(out, "fsdp2_full.pt"))
+    flash = _sharded(_llama(seed=6))
+    set_full_state_dict(flash, torch.load(os.path.join(out, "fsdp2_full.pt")) if rank == 0 else None)
+    res["flash_from_fsdp2"] = get_full_state_dict(flash)
+    # sharded DCP checkpoints: FSDP2's loads into flashfsdp, flashfsdp's into FSDP2
+    dcp.save(fsdp2.state_dict(), checkpoint_id=os.path.join(out, "fsdp2_sharded"))
+    flash = _sharded(_llama(seed=7))
+    flash_sd = flash.state_dict()
+    dcp.load(flash_sd, checkpoint_id=os.path.join(out, "fsdp2_sharded"))
+    flash.load_state_dict(flash_sd)
+    res["flash_from_fsdp2_dcp"] = get_full_state_dict(flash)
+    fsdp2 = _fsdp2(seed=8)
+    fsdp2_sd = fsdp2.state_dict()
+    dcp.load(fsdp2_sd, checkpoint_id=os.path.join(out, "sharded"))
+    fsdp2.load_state_dict(fsdp2_sd)
+    res["fsdp2_from_flash_dcp"] = get_model_state_dict(fsdp2, options=full_options)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("state_dicts"))
+    return out, run_distributed(_state_dicts, 2, out)
+
+
+def test_sharded_and_full_state_dicts_at_w2(results):
+    _, (r0, r1) = results
+    want = _llama().state_dict()
+    for r in (r0, r1):
+        assert r["keys"] == list(want) and r["dsd_keys"] == list(want)
+        assert r["types"]["output.weight"] == r["types"]["tok_embeddings.weight"] == "ShardedPiece"
+        assert r["types"]["norm.calibration"] == "Tensor"  # buffers stay plain, replicated
+        _assert_same(r["full_everywhere"], want)
+    _assert_same(r0["full"], want)  # exactly equal right after init, same keys and order
+    _assert_same(r0["reloaded"], want)
+    assert r1["full"] == {} and r1["reloaded"] == {} and r1["trained"] == {}
+    ref = train_reference("llama", 2, steps=3, state_dict=True)
+    _assert_same(r0["trained"], ref["state_dict"], **FP32_PARAMS)
+    # a fresh unwrapped model loads it strictly and computes what the reference computes
+    plain, trained_ref = make_llama(seed=11), make_llama(seed=12)
+    plain.load_state_dict(r0["trained"], strict=True)
+    trained_ref.load_state_dict(ref["state_dict"], strict=True)
+    x, _ = make_batch("llama", 0, 4)
+    torch.testing.assert_close(plain(x), trained_ref(x), **FP32_PARAMS)
+
+
+def test_full_and_sharded_checkpoints_round_trip_with_fsdp2(results):
+    _, (r0, _) = results
+    _assert_same(r0["fsdp2_from_flash"], r0["full"])
+    _assert_same(r0["flash_from_fsdp2"], r0["fsdp2_full"])
+    _assert_same(r0["flash_from_fsdp2_dcp"], r0["fsdp2_full"])
+    _assert_same(r0["fsdp2_from_flash_dcp"], r0["full"])
+
+
+def test_sharded_checkpoint_of_w2_loads_at_w1(results):
+    out, _ = results
+    with use_backend("reference"):
+        model = _sharded(_llama(seed=9))
+        sd = model.state_dict()
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load(sd, checkpoint_id=os.path.join(out, "sharded"), no_dist=True)
+        model.load_state_dict(sd)
+        _assert_same(get_full_state_dict(model), _llama().state_dict())
+
+
+def test_flat_range_boxes_cover_every_range_exactly():
+    for shape in [(), (7,), (3, 5), (2, 3, 4), (3, 1, 2, 2), (0, 3)]:
+        n = torch.Size(shape).numel()
+        full = torch.arange(n).reshape(shape)
+        for a in range(n + 1):
+            for b in range(a, n + 1):
+                boxes = flat_range_boxes(shape, a, b)
+                assert len(boxes) <= max(1, 2 * len(shape) - 1)
+                cursor = a
+                for offsets, sizes, flat_start in boxes:
+                    block = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                    assert flat_start == cursor
+                    assert torch.equal(block.reshape(-1), torch.arange(cursor, cursor + block.numel()))
+                    cursor += block.numel()
+                assert cursor == b
+    with pytest.raises(ValueError, match=r"range \[3, 9\) is not inside a tensor of shape \(2, 4\)"):
+        flat_range_boxes((2, 4), 3, 9)
+
+
+def test_sharded_piece_rejects_what_it_cannot_do():
+    piece = ShardedPiece(torch.arange(5.0), (3, 4), 3, "w")
+    assert piece.shape == (3, 4) and torch.equal(piece.detach().local(), torch.arange(5.0))
+    assert piece.to(torch.float64).local().dtype == torch.float64
+    with pytest.raises(NotImplementedError, match=r"ShardedPiece 'w' holds only elements \[3, 8\).*\.local\(\)"):
+        piece + 1
+    with pytest.raises(ValueError, match="local must be a 1-D tensor"):
+        ShardedPiece(torch.zeros(2, 2), (2, 2), 0)
+    with pytest.raises(ValueError, match="not inside a tensor of shape"):
+        ShardedPiece(torch.zeros(5), (2, 2), 0)
+    with pytest.raises(TypeError, match="local must be a plain tensor"):
+        ShardedPiece(piece, (3, 4), 3)
+
+
+def test_bad_input_is_named():
+    with use_backend("reference"):
+        model = _sharded(_llama())
+        good = _llama().state_dict()
+        with pytest.raises(TypeError, match="get_full_state_dict: model must be an nn.Module"):
+            get_full_state_dict(good)
+        with pytest.raises(ValueError, match="has no fully_shard'ed module"):
+            get_full_state_dict(_llama())
+        with pytest.raises(TypeError, match="cpu_offload must be a bool"):
+            get_full_state_dict(model, cpu_offload="yes")
+        with pytest.raises(ValueError, match="state_dict has no entry for 'layers.1.attention.wk.weight'"):
+            set_full_state_dict(model, {k: v for k, v in good.items() if k != "layers.1.attention.wk.weight"})
+        with pytest.raises(ValueError, match=r"'norm.weight' has shape \(3,\) in state_dict but \(32,\) in the model"):
+            set_full_state_dict(model, {**good, "norm.weight": torch.ones(3)})
+        with pytest.raises(ValueError, match=r"unexpected key\(s\) \['extra.weight'\]"):
+            set_full_state_dict(model, {**good, "extra.weight": torch.ones(3)})
+        with pytest.raises(TypeError, match="state_dict must be a mapping"):
+            set_full_state_dict(model, None)
+        with pytest.raises(TypeError, match="'norm.weight' must be a full .unsharded. tensor"):
+            set_full_state_dict(model, {**good, "norm.weight": model.state_dict()["norm.weight"]})
+        set_full_state_dict(model, {k: v for k, v in good.items() if k != "norm.weight"}, strict=False)
+        with pytest.raises(ValueError, match=r"'layers.0.attention.wq.weight' has shape \(32, 31\), but the "
+                                             r"parameter's full shape is \(32, 32\)"):
+            model.load_state_dict({**good, "layers.0.attention.wq.weight": torch.zeros(32, 31)})
+        with pytest.raises(ValueError, match=r"load_state_dict\(assign=True\) is not supported"):
+            model.load_state_dict(dict(good), assign=True)  # a copy: torch keeps the flag in _metadata
+        wrong_range = ShardedPiece(torch.zeros(10), (32,), 0, "norm.weight")
+        with pytest.raises(ValueError, match=r"'norm.weight' is a ShardedPiece of elements \[0, 10\).*another world"):
+            model.load_state_dict({**good, "norm.weight": wrong_range})
+        opt = torch.optim.Adam(model.parameters())
+        with pytest.raises(TypeError, match="get_optimizer_state_dict: optimizer must be a torch.optim.Optimizer"):
+            flashfsdp.get_optimizer_state_dict(model, "adam")
+        with pytest.raises(ValueError, match="must have 'state' and 'param_groups'"):
+            flashfsdp.set_optimizer_state_dict(model, opt, {"state": {}})
+        # plain full tensors are accepted where pieces are expected, and loaded exactly
+        model.load_state_dict(good)
+        _assert_same(get_full_state_dict(model), good)
+
+
+def test_optimizer_state_dict_round_trip_at_w1_keeps_optimizer_state_plain():
+    with use_backend("reference"):
+        model = _sharded(_llama())
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        x, y = make_batch("llama", 0, 2)
+        torch.nn.functional.cross_entropy(model(x).reshape(-1, 64), y.reshape(-1)).backward()
+        opt.step()
+        osd = flashfsdp.get_optimizer_state_dict(model, opt)
+        entry = osd["state"]["layers.0.attention.wq.weight"]
+        assert isinstance(entry["exp_avg"], ShardedPiece) and entry["exp_avg"].shape == (32, 32)
+        assert not isinstance(entry["step"], ShardedPiece)
+        # the optimizer's own state is untouched (still plain tensors it can step)
+        assert all(type(v) is torch.Tensor for s in opt.state.values() for v in s.values())
+        fresh = _sharded(_llama(seed=2))
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=5e-3)
+        flashfsdp.set_optimizer_state_dict(fresh, fresh_opt, osd)
+        assert fresh_opt.param_groups[0]["lr"] == 1e-3
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(fresh_opt.state[q][key], opt.state[p][key], **EXACT)
+
+
+def test_full_state_dict_is_in_the_master_dtype_under_bf16_compute():
+    with use_backend("reference"):
+        model = _llama()
+        policy = flashfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for unit in llama_units(model):
+            flashfsdp.fully_shard(unit, mp_policy=policy)
+        x, _ = make_batch("llama", 0, 2)
+        model(x).float().sum().backward()  # the unsharded bf16 buffers have been used and freed
+        _assert_same(get_full_state_dict(model), _llama().state_dict())  # fp32, exactly the init values
+        _assert_same(get_full_state_dict(model, cpu_offload=False, rank0_only=False), _llama().state_dict())
