@@ -14,6 +14,7 @@ from flashfsdp.bindings.state_dict import (
     set_full_state_dict,
     set_optimizer_state_dict,
 )
+from flashfsdp import checkpoint  # flashfsdp.checkpoint.save / load / latest
 from flashfsdp.runtime.trace import profile
 
 __all__ = [
@@ -30,5 +31,6 @@ __all__ = [
     "set_full_state_dict",
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
+    "checkpoint",
     "profile",
 ]

@@ -60,10 +60,15 @@ def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None,
                     grad_accum: int = 1, max_norm: float | None = None, checkpoint: bool = False,
-                    reshard_after_forward: bool = True, full_state_dict: bool = False) -> dict:
+                    reshard_after_forward: bool = True, global_batch: int | None = None,
+                    load_from: str | None = None, save_to: str | None = None,
+                    full_state_dict: bool = False) -> dict:
     """Train with flashfsdp; return global-mean losses, norms and the full parameters.
 
-    Optional: ``full_state_dict`` adds ``flashfsdp.get_full_state_dict(model)`` (rank 0; {} elsewhere).
+    Optional: ``global_batch`` rows per step independent of W (default ``MICRO_BATCH·W``);
+    ``load_from`` a ``flashfsdp.checkpoint`` directory first and continue from its step (the result's
+    "loaded" holds what ``load`` returned); ``save_to`` a checkpoint after the last step (extra: the
+    losses); ``full_state_dict`` adds ``flashfsdp.get_full_state_dict(model)`` (rank 0; {} elsewhere).
     """
     model = make_model(kind)
     kwargs = {"reshard_after_forward": reshard_after_forward}
@@ -74,9 +79,13 @@ def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp
     if checkpoint:
         _checkpoint_blocks(kind, model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for step in range(steps):
-        x, y = make_batch(kind, step, MICRO_BATCH * world_size * grad_accum)
+    losses, norms, result = [], [], {}
+    start = 0
+    if load_from is not None:
+        result["loaded"] = flashfsdp.checkpoint.load(load_from, model, opt)
+        start = result["loaded"]["step"]
+    for step in range(start, start + steps):
+        x, y = make_batch(kind, step, (global_batch or MICRO_BATCH * world_size) * grad_accum)
         x, y = local_rows(x, rank, world_size), local_rows(y, rank, world_size)
         total = torch.zeros(())
         for micro in range(grad_accum):
@@ -92,10 +101,11 @@ def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp
         if world_size > 1:
             dist.all_reduce(total)
         losses.append(total.item() / world_size)
-    result = {"losses": losses, "norms": norms, "params": gather_full_params(model)}
+    if save_to is not None:
+        flashfsdp.checkpoint.save(save_to, model, opt, step=start + steps, extra={"losses": losses})
     if full_state_dict:
         result["full_state_dict"] = flashfsdp.get_full_state_dict(model)
-    return result
+    return {"losses": losses, "norms": norms, "params": gather_full_params(model), **result}
 
 
 def train_reference(kind: str, world_size: int, steps: int = 5, *, grad_accum: int = 1,

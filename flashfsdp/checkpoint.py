@@ -1,0 +1,357 @@
+"""Checkpoints of a fully_shard'ed model (and optimizer) with torch.distributed.checkpoint (DCP).
+
+``save(path, model, optimizer, step=N, extra={...})`` writes a DCP checkpoint of the sharded model
+state dict and optimizer state (each rank writes only its pieces), ``load(path, model, optimizer)``
+reads it back at any world size, ``latest(out_dir)`` finds the newest complete one. Layout of a
+checkpoint directory::
+
+    path/
+      .metadata, __<rank>_0.distcp   DCP: keys "model.<name>", "optim.state.<name>.<key>", ...
+      extra.pt                       torch.save({"extra": extra}) by rank 0
+      flashfsdp.json                 the completion marker, written last: step, world size, time
+
+[Note: atomic save]
+Every rank writes into the hidden sibling ``.<name>.tmp``; when all have finished (DCP gathers
+every rank's write result before writing ``.metadata``), rank 0 writes ``extra.pt`` and then the
+marker, every rank checks in (an all-gather of errors doubles as the barrier), and rank 0 renames
+the directory into place (an older directory of the same name is moved aside first and deleted
+after). A crash before the rename leaves only the hidden temporary directory, which ``latest``
+ignores and the next save of that name removes; the previous checkpoints stay intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from flashfsdp.bindings.state_dict import (
+    agree,
+    get_optimizer_state_dict,
+    global_rank,
+    global_world_size,
+    set_optimizer_state_dict,
+)
+
+MARKER = "flashfsdp.json"
+EXTRA = "extra.pt"
+FORMAT = "flashfsdp-checkpoint"
+VERSION = 1
+
+__all__ = ["save", "load", "latest", "MARKER"]
+
+
+def _check_path(path: Any, where: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.basename(path) in ("", ".", ".."):
+        raise ValueError(f"{where}: path {path!r} must name a directory (e.g. <out>/checkpoints/step_<N>)")
+    return path
+
+
+def _check_model_optimizer(model: Any, optimizer: Any, where: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{where}: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What DCP saves and loads: the sharded model state dict and the sharded optimizer state."""
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Silence DCP's warning that it runs in a single process: W = 1 without a process group is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _serialise_extra(extra: Any) -> bytes:
+    """torch.save bytes of ``{"extra": extra}``; raises unless torch.load(weights_only=True) reads them."""
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"save: extra must be a dict or None, got {type(extra).__name__}")
+    buf = io.BytesIO()
+    try:
+        torch.save({"extra": extra or {}}, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means the value is not storable
+        raise ValueError(
+            f"save: extra must hold only what torch.load(weights_only=True) reads back (dicts, lists, str, "
+            f"numbers, bools, None, tensors); it failed with: {exc}"
+        ) from None
+    return buf.getvalue()
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` durably (temporary file, fsync, rename)."""
+    tmp = f"{path}.part"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename inside ``path`` durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         step: int, extra: dict | None = None) -> str:
+    """Save a sharded checkpoint of ``model`` (and ``optimizer``) into the directory ``path``, atomically.
+
+    Collective: every rank calls it with the same ``path`` on a file system all ranks share. Each
+    rank writes only its own pieces (DCP); see [Note: atomic save] for how a crash leaves the
+    earlier checkpoints intact. An existing checkpoint at ``path`` is replaced. Works at W = 1
+    without torch.distributed initialised.
+
+    Args:
+        path: the checkpoint directory (created; its parent too), e.g. ``<out>/checkpoints/step_<N>``.
+        model: the model (fully_shard'ed or plain).
+        optimizer: its optimizer, or None to save the model only.
+        step: the training step, an int >= 0, returned by :func:`load`.
+        extra: a dict stored alongside (run configuration, data position, ...) that
+            ``torch.load(weights_only=True)`` can read back: containers, str, numbers, tensors.
+
+    Returns:
+        The absolute path of the checkpoint.
+
+    Raises:
+        TypeError / ValueError: a bad argument (the message names it); nothing is written then.
+        RuntimeError: writing failed on some rank (raised on every rank, naming the failed ranks and
+            their errors, DCP's ``CheckpointException`` as the cause); ``path`` is untouched.
+        OSError: rank 0 could not create, finish or rename the directory (raised on every rank).
+    """
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    path = _check_path(path, "save")
+    _check_model_optimizer(model, optimizer, "save")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise TypeError(f"save: step must be an int >= 0, got {step!r}")
+    extra_bytes = _serialise_extra(extra)
+    parent, name = os.path.split(path)
+    tmp, old = os.path.join(parent, f".{name}.tmp"), os.path.join(parent, f".{name}.old")
+    rank = global_rank()
+
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as exc:
+            error = exc
+    agree(error)
+
+    state = _state(model, optimizer)
+    try:
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=global_world_size() == 1)
+    except CheckpointException as exc:  # a BaseException: make it an ordinary, readable error
+        raise RuntimeError(f"save: writing checkpoint {path} failed on rank(s) {_failures(exc)}; the "
+                           f"checkpoints already in {parent} are intact") from exc
+
+    error = None
+    if rank == 0:
+        try:
+            _write_file(os.path.join(tmp, EXTRA), extra_bytes)
+            marker = {"format": FORMAT, "version": VERSION, "step": step, "world_size": global_world_size(),
+                      "has_optimizer": optimizer is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            _write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
+            if os.path.exists(path):
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(path, old)
+            os.rename(tmp, path)
+            _fsync_dir(parent)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            error = exc
+    agree(error)
+    return path
+
+
+def _failures(exc: CheckpointException) -> str:
+    """"rank: ExceptionType: message" of every rank that failed inside DCP."""
+    return "; ".join(f"{rank}: {type(err[0]).__name__}: {err[0]}" for rank, err in sorted(exc.failures.items()))
+
+
+def _read_marker(path: str) -> dict:
+    marker_path = os.path.join(path, MARKER)
+    if not os.path.isfile(marker_path):
+        raise ValueError(f"load: {path} is not a complete flashfsdp checkpoint: {MARKER} is missing (the save "
+                         f"did not finish, or this is not a checkpoint directory); use latest() to find a complete one")
+    try:
+        with open(marker_path) as f:
+            marker = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"load: {marker_path} is unreadable ({exc})") from None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("step"), int):
+        raise ValueError(f"load: {marker_path} is not a flashfsdp checkpoint marker")
+    return marker
+
+
+def _check_files(path: str):
+    """DCP's metadata of the checkpoint at ``path``, after checking that every file it names exists."""
+    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"load: checkpoint {path} is missing its DCP metadata file .metadata")
+    metadata = FileSystemReader(path).read_metadata()
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(needed.items()):
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"load: checkpoint {path} is missing the shard file {rel}")
+        if os.path.getsize(file) < size:
+            raise ValueError(f"load: shard file {file} is truncated ({os.path.getsize(file)} of {size} bytes)")
+    if not os.path.isfile(os.path.join(path, EXTRA)):
+        raise FileNotFoundError(f"load: checkpoint {path} is missing {EXTRA}")
+    return metadata
+
+
+def _check_against(path: str, metadata, state: dict[str, Any]) -> None:
+    """Every tensor the model/optimizer expects is in the checkpoint with the same shape, and back."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+
+    saved = metadata.state_dict_metadata
+    flat, _ = flatten_state_dict(state)
+    for key, value in flat.items():
+        what = f"parameter '{key[len('model.'):]}'" if key.startswith("model.") else f"optimizer state '{key}'"
+        if key not in saved:
+            raise ValueError(f"load: checkpoint {path} has no entry for {what}; it was saved from another model "
+                             f"or optimizer")
+        md = saved[key]
+        if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and md.size != value.shape:
+            raise ValueError(f"load: {what} has shape {tuple(md.size)} in checkpoint {path} but "
+                             f"{tuple(value.shape)} in the model; load it into the model it was saved from")
+    extra_keys = sorted(k for k in saved if k.startswith("model.") and k not in flat)
+    if extra_keys:
+        raise ValueError(f"load: checkpoint {path} has parameter(s) {[k[6:] for k in extra_keys[:5]]} that the "
+                         f"model does not have; load it into the model it was saved from")
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``), at any world size.
+
+    Collective. The checkpoint is checked first on every rank (marker, DCP metadata, every shard
+    file, every parameter's name and shape), then DCP reads each rank's pieces straight into the
+    sharded parameters and optimizer state (resharding as needed), and ``model.load_state_dict`` /
+    :func:`~flashfsdp.bindings.state_dict.set_optimizer_state_dict` finish the load (optimizer
+    hyperparameters such as ``lr`` come from the checkpoint). Works at W = 1 without
+    torch.distributed initialised.
+
+    Args:
+        path: a checkpoint directory written by :func:`save`.
+        model: the same model architecture, fully_shard'ed at any world size (or plain).
+        optimizer: the same optimizer type over ``model``'s parameters, or None to load the model only.
+
+    Returns:
+        ``{"step": int, "extra": dict}`` as given to :func:`save`.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or a file of the checkpoint is missing (named).
+        ValueError: ``path`` is not a complete checkpoint (no marker: the save did not finish), it has
+            no optimizer state but ``optimizer`` was given, or a parameter is missing or has another
+            shape (named).
+        TypeError: a bad argument type.
+        RuntimeError: DCP failed to read on some rank (names the ranks and errors).
+    """
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    path = _check_path(path, "load")
+    _check_model_optimizer(model, optimizer, "load")
+    error = marker = metadata = None
+    try:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"load: checkpoint {path} does not exist")
+        if not os.path.isdir(path):
+            raise ValueError(f"load: {path} is a file, not a checkpoint directory")
+        marker = _read_marker(path)
+        if optimizer is not None and not marker.get("has_optimizer", False):
+            raise ValueError(f"load: checkpoint {path} has no optimizer state; pass optimizer=None")
+        metadata = _check_files(path)
+    except (FileNotFoundError, ValueError) as exc:
+        error = exc
+    agree(error)
+    state = _state(model, optimizer)
+    error = None
+    try:
+        _check_against(path, metadata, state)
+    except ValueError as exc:
+        error = exc
+    agree(error)
+    try:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=global_world_size() == 1)
+    except CheckpointException as exc:
+        raise RuntimeError(f"load: reading checkpoint {path} failed on rank(s) {_failures(exc)}") from exc
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    extra = torch.load(os.path.join(path, EXTRA), weights_only=True)["extra"]
+    return {"step": marker["step"], "extra": extra}
+
+
+def latest(out_dir: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directly under ``out_dir``, or None.
+
+    Complete means the marker :data:`MARKER` is there (hidden temporary directories of saves in
+    progress or crashed are skipped). Newest is the highest saved ``step``, then the latest
+    modification time. Local, no communication.
+
+    Args:
+        out_dir: the directory holding checkpoint directories (e.g. ``<out>/checkpoints``); a missing
+            directory has none.
+
+    Raises:
+        TypeError: ``out_dir`` is not a str or os.PathLike.
+        NotADirectoryError: ``out_dir`` exists but is a file.
+    """
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise TypeError(f"latest: out_dir must be a str or os.PathLike, got {type(out_dir).__name__}")
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if not os.path.exists(out_dir):
+        return None
+    if not os.path.isdir(out_dir):
+        raise NotADirectoryError(f"latest: out_dir {out_dir} is a file, not a directory")
+    best, best_key = None, None
+    for entry in os.scandir(out_dir):
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        try:
+            marker = _read_marker(entry.path)
+        except ValueError:
+            continue
+        key = (marker["step"], os.path.getmtime(os.path.join(entry.path, MARKER)))
+        if best_key is None or key > best_key:
+            best, best_key = entry.path, key
+    return best
