@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import builtins
 import functools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from flashfsdp.kernels import flatten, unflatten
+from flashfsdp.runtime.flat_param import FlatParam
 
 from .sharded_tensor import ShardedPiece
 from .state import FSDPState, TrainingState
@@ -239,6 +240,30 @@ def _wanted_by_group(state: FSDPState, owners: dict, keys) -> dict[int, dict[int
     return out
 
 
+def _flat_buffers(states: list[tuple[str, FSDPState]]) -> Callable[[FlatParam, torch.device], torch.Tensor]:
+    """A getter of a T-element buffer for a group, reusing one buffer per (dtype, device) for all units.
+
+    The buffer is as large as the largest group, allocated at first use and freed with the getter:
+    one allocation instead of one per unit keeps the peak at one unit without leaving the host
+    allocator a trail of freed unit-sized blocks. Safe to reuse: the collectives and copies of one
+    unit are issued on the current stream before the next unit's.
+    """
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for _, state in states:
+        for group in state.unit.groups:
+            key = (group.dtype, state.unit.device)
+            sizes[key] = max(sizes.get(key, 0), group.layout.total)
+    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(group: FlatParam, device: torch.device) -> torch.Tensor:
+        key = (group.dtype, device)
+        if key not in buffers:
+            buffers[key] = torch.empty(sizes[key], dtype=group.dtype, device=device)
+        return buffers[key][: group.layout.total]
+
+    return get
+
+
 @torch.no_grad()
 def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: bool = True) -> dict[str, Any]:
     """The unsharded state dict of a fully_shard'ed model: what the unwrapped model's ``state_dict()`` gives.
@@ -246,7 +271,7 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
     Collective: every rank of every unit calls it. Unit by unit, each flat group's ``sharded_flat``
     is all-gathered into one T-element buffer in the parameters' original dtype (not
     ``param_dtype``), the parameters are cut out of it (``unflatten``, or views copied to the CPU),
-    and the buffer is freed before the next unit, so the extra memory on the device is one unit.
+    and the next unit reuses the buffer, so the extra memory on the device is one (the largest) unit.
 
     Args:
         model: a module with at least one fully_shard'ed submodule (or itself fully_shard'ed).
@@ -270,6 +295,7 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
     template = model.state_dict()
     owners = _owners(states)
     gathered: dict[str, torch.Tensor] = {}
+    flat_buffer = _flat_buffers(states)
     for _, state in states:
         unit = state.unit
         wanted = _wanted_by_group(state, owners, template.keys())
@@ -277,7 +303,7 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
             positions = wanted.get(id(group))
             if not positions:
                 continue
-            full = torch.empty(group.layout.total, dtype=group.dtype, device=unit.device)
+            full = flat_buffer(group, unit.device)
             unit.comm.all_gather_into_tensor(full, group.sharded_flat).wait()
             if keep:
                 target = torch.device("cpu") if cpu_offload else unit.device
@@ -292,7 +318,7 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
                 for pos, out in zip(order, outs):
                     for key in positions[pos]:
                         gathered[key] = out
-            del full
+    del flat_buffer
     if not keep:
         return {}
     result: dict[str, Any] = {}
@@ -351,7 +377,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     theirs is not read). Rank 0 checks it first (every rank raises its error, so none hangs), then
     unit by unit rank 0 packs the group's parameters into one T-element buffer in the original dtype
     (``flatten``: cast, gaps zeroed), the unit's communicator broadcasts it, and each rank copies its
-    elements into the sharded master storage in place; the buffer is freed before the next unit.
+    elements into the sharded master storage in place; the next unit reuses the buffer.
     Buffers and parameters outside units are broadcast the same way and copied in place.
 
     Args:
@@ -384,6 +410,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
         raise_agreed([verdict[1]])
     present = verdict[1]
     is_root = global_rank() == 0
+    flat_buffer = _flat_buffers(states)
     for _, state in states:
         unit = state.unit
         if (unit.comm.rank == 0) != is_root:
@@ -394,7 +421,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
             positions = wanted.get(id(group))
             if not positions:
                 continue
-            flat = torch.empty(group.layout.total, dtype=group.dtype, device=unit.device)
+            flat = flat_buffer(group, unit.device)
             if is_root:
                 sources = [None] * len(group.shapes)
                 for pos, keys in positions.items():
@@ -404,7 +431,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
             for pos in positions:
                 pc = group.pieces[pos]
                 group.sharded_flat[pc.shard_start : pc.shard_end].copy_(flat[pc.flat_start : pc.flat_end])
-            del flat
+    del flat_buffer
     comm = states[0][1].unit.comm
     for key in present:
         if key in owners:
