@@ -341,6 +341,11 @@ def _validate_full_state_dict(state_dict: Any, template: Mapping[str, Any], stri
                         f"got {type(state_dict).__name__}")
     present = []
     for key, expected in template.items():
+        if not isinstance(expected, torch.Tensor):
+            raise NotImplementedError(
+                f"set_full_state_dict: '{key}' is module extra state ({type(expected).__name__}), which is not "
+                f"broadcast; load it with model.load_state_dict(state_dict, strict=False) on every rank"
+            )
         if key not in state_dict:
             if strict:
                 raise ValueError(
@@ -391,6 +396,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
             non-tensor / sharded value.
         ValueError: no fully_shard'ed module; a missing or unexpected key (strict), a wrong shape —
             each message names the key.
+        NotImplementedError: the model has extra state (``get_extra_state``), which is not broadcast.
     """
     states = _check_model(model, "set_full_state_dict")
     if not isinstance(strict, bool):
@@ -401,7 +407,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     if global_rank() == 0:
         try:
             verdict = ("ok", _validate_full_state_dict(state_dict, template, strict))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, NotImplementedError) as exc:
             verdict = ("error", error_payload(exc))
     else:
         verdict = None

@@ -189,6 +189,14 @@ def test_sharded_piece_rejects_what_it_cannot_do():
         ShardedPiece(piece, (3, 4), 3)
 
 
+class _WithExtraState(torch.nn.Module):
+    def get_extra_state(self):
+        return {"calibrated": True}
+
+    def set_extra_state(self, state):
+        pass
+
+
 def test_bad_input_is_named():
     with use_backend("reference"):
         model = _sharded(_llama())
@@ -223,6 +231,11 @@ def test_bad_input_is_named():
             flashfsdp.get_optimizer_state_dict(model, "adam")
         with pytest.raises(ValueError, match="must have 'state' and 'param_groups'"):
             flashfsdp.set_optimizer_state_dict(model, opt, {"state": {}})
+        with_extra = _llama()
+        with_extra.extra = _WithExtraState()
+        _sharded(with_extra)
+        with pytest.raises(NotImplementedError, match="'extra._extra_state' is module extra state"):
+            set_full_state_dict(with_extra, {**good, "extra._extra_state": {"calibrated": True}})
         # plain full tensors are accepted where pieces are expected, and loaded exactly
         model.load_state_dict(good)
         _assert_same(get_full_state_dict(model), good)
