@@ -191,6 +191,8 @@ class FSDPState:
         if in_backward():
             return output
         self._mark_compute_end("forward")
+        if self.ctx is not None:
+            self.ctx.order.record_post_forward(self)
         if not torch.is_grad_enabled() or self.reshard_after_forward:
             self.reshard()
         self.training_state = TrainingState.IDLE

@@ -7,8 +7,9 @@ The runtime (``flashfsdp.bindings``) and the overlap simulator replay the same p
   while this step has followed that order so far; a changed order (a branch taken, a unit skipped
   or run twice) turns implicit prefetch off for the rest of the step and the new order is recorded
   for the next one, so a prefetch is never a wrong guess.
-- Implicit **backward prefetch**: when unit u starts its backward, unshard the unit that ran
-  before u in this step's forward (backward runs in reverse order).
+- Implicit **backward prefetch**: when unit u starts its backward, unshard the unit whose forward
+  *ended* just before u's did (backward runs in reverse post-forward order). Ordering by
+  post-forward, as FSDP2 does, makes the root — whose forward ends last — prefetch the last block.
 - Explicit lists (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``)
   replace the implicit choice for that unit.
 - At most ``max_inflight`` prefetched units may be unsharded ahead of compute.
@@ -31,13 +32,19 @@ class ExecutionOrder:
     current: list = field(default_factory=list)
     previous: list | None = None
     diverged: bool = False
+    post_forward: list = field(default_factory=list)
 
     def start_step(self) -> None:
         """Close the step being recorded (it becomes ``previous``) and start a new one."""
         if self.current:
             self.previous = self.current
         self.current = []
+        self.post_forward = []
         self.diverged = False
+
+    def record_post_forward(self, key: Key) -> None:
+        """Note that ``key`` finished its forward (drives the backward prefetch order)."""
+        self.post_forward.append(key)
 
     def record(self, key: Key) -> None:
         """Note that ``key`` started its forward (first call per step counts; re-runs are kept too)."""
@@ -58,8 +65,8 @@ class ExecutionOrder:
         return prev[pos + 1]
 
     def previous_in_forward(self, key: Key) -> Key | None:
-        """The unit that ran its (last) forward just before ``key``'s last forward this step."""
-        order = self.current
+        """The unit whose forward ended just before ``key``'s (last) forward ended this step."""
+        order = self.post_forward
         for pos in range(len(order) - 1, -1, -1):
             if order[pos] == key:
                 return order[pos - 1] if pos > 0 else None

@@ -275,11 +275,14 @@ class ShardedUnit:
                 with trace.span("pack", self.name, "reduce_scatter", rs):
                     packed = torch.empty(T, dtype=reduce_dtype, device=self.device)
                     flatten(grads, list(group.layout.offsets), packed, scale=1.0 / f_pre, numels=list(group.layout.numels))
-                self.streams.hold_until_passed(self.streams.record(rs), grads)
+                packed_event = self.streams.record(rs)
                 output = torch.empty(S, dtype=reduce_dtype, device=self.device)
                 issued = prof.now(rs) if prof is not None else None
                 work = self.comm.reduce_scatter_tensor(output, packed, op="sum")
                 issued_end = prof.now(rs) if prof is not None and self.streams.is_cuda else None
+            # Outside the reduce-scatter stream: the *compute* stream must pass the pack before
+            # the gradients it read may be freed (see streams.hold_until_passed).
+            self.streams.hold_until_passed(packed_event, grads)
             for p in group.unsharded_params:
                 p.grad = None
             pending.append(PendingReduce(self, group, work, output, accumulate, 1.0 / f_post, [packed], issued, issued_end))

@@ -393,9 +393,11 @@ class _Runtime:
             self.wait_unshard(name)
             self.prefetch(self.policy.forward_targets(name, self.order, self.fwd_lists.get(name)))
             self._compute(self.states[name].unit.forward_s, "forward", name)
+            self.order.record_post_forward(name)
             if self.reshard_after_forward:
                 self.reshard(name)
         self._compute(model.root.forward_s * (1 - model.root_forward_before), "forward", root)
+        self.order.record_post_forward(root)
         self._compute(model.loss_s, "loss", "")
         # backward
         grads = {}
@@ -541,9 +543,6 @@ class Setting:
         reshard_after_forward: free non-root units after forward.
         depth: explicit prefetch lists this many units deep (:func:`prefetch_ahead`); 1: the
             implicit policy alone.
-        root_prefetches_last_block: an explicit backward list making the root's pre-backward
-            prefetch the last block (which the implicit policy leaves to the block's own
-            pre-backward).
     """
 
     label: str
@@ -552,7 +551,6 @@ class Setting:
     max_inflight: int = 2
     reshard_after_forward: bool = True
     depth: int = 1
-    root_prefetches_last_block: bool = False
 
     def policy(self) -> PrefetchPolicy:
         """The runtime's :class:`PrefetchPolicy` of this setting (explicit lists aside)."""
@@ -563,8 +561,6 @@ class Setting:
         kwargs = {"policy": self.policy(),
                   "reshard_after_forward": self.reshard_after_forward, "label": self.label}
         fwd, bwd = prefetch_ahead(model, self.depth) if self.depth > 1 else ({}, {})
-        if self.root_prefetches_last_block and model.blocks:
-            bwd = {**bwd, model.root.name: [model.blocks[-1].name]}
         if fwd:
             kwargs["forward_prefetch"] = fwd
         if bwd:
@@ -578,7 +574,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("fwd+bwd (default)"),
     Setting("fwd+bwd, 2 deep, max_inflight 1", depth=2, max_inflight=1),
     Setting("fwd+bwd, 2 deep, max_inflight 2", depth=2, max_inflight=2),
-    Setting("fwd+bwd, root prefetches last block", root_prefetches_last_block=True),
     Setting("fwd+bwd, reshard_after_forward=False", reshard_after_forward=False),
 )
 

@@ -53,10 +53,16 @@ def test_module_run_twice_in_one_forward():
         assert policy.forward_targets(k, order) == [nxt]
 
 
-def test_backward_prefetch_is_reverse_forward_order():
+def test_backward_prefetch_is_reverse_post_forward_order():
     order, policy = ExecutionOrder(), PrefetchPolicy()
-    _run(order, "abc")
-    assert policy.backward_targets("c", order) == ["b"]
+    order.start_step()
+    # root r's forward contains blocks a, b: pre-forward order r a b, post-forward order a b r
+    for k in "rab":
+        order.record(k)
+    for k in "abr":
+        order.record_post_forward(k)
+    assert policy.backward_targets("r", order) == ["b"]  # the root prefetches the last block
+    assert policy.backward_targets("b", order) == ["a"]
     assert policy.backward_targets("a", order) == []
 
 

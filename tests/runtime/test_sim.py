@@ -100,10 +100,9 @@ def test_prefetch_hides_communication_when_compute_exceeds_it():
     block = model.blocks[0]
     assert _ag(block) < block.forward_s and _rs(block) < block.backward_s
     pred = sim.simulate(model, W, LINK)
-    # Exposed: the root's all-gather (nothing runs before it), the last block's all-gather at the
-    # start of backward (the implicit policy prefetches it from the block's own pre-backward, the
-    # root's pre-backward has no unit before it), and the root's reduce-scatter (nothing after it).
-    assert pred.exposed_s == pytest.approx(_ag(model.root) + _ag(block) + _rs(model.root))
+    # Exposed: the root's all-gather (nothing runs before it) and the root's reduce-scatter (nothing
+    # after it); the root's pre-backward prefetches the last block (reverse post-forward order).
+    assert pred.exposed_s == pytest.approx(_ag(model.root) + _rs(model.root))
     no = sim.simulate(model, W, LINK, policy=NO_PREFETCH)
     assert pred.step_s < no.step_s
 
@@ -111,9 +110,11 @@ def test_prefetch_hides_communication_when_compute_exceeds_it():
 def test_explicit_prefetch_list_goes_through_the_policy():
     model = _model(root_forward_before=0.9, root_backward_after=0.5)
     implicit = sim.simulate(model, W, LINK)
-    explicit = sim.simulate(model, W, LINK, backward_prefetch={"<root>": [model.blocks[-1].name]})
-    assert explicit.exposed_s == pytest.approx(_ag(model.root) + _rs(model.root))
-    assert explicit.step_s == pytest.approx(implicit.step_s - _ag(model.blocks[0]))
+    # An empty explicit list for the root overrides the implicit prefetch of the last block.
+    explicit = sim.simulate(model, W, LINK, backward_prefetch={"<root>": []})
+    assert implicit.exposed_s == pytest.approx(_ag(model.root) + _rs(model.root))
+    assert explicit.exposed_s == pytest.approx(_ag(model.root) + _ag(model.blocks[-1]) + _rs(model.root))
+    assert explicit.step_s == pytest.approx(implicit.step_s + _ag(model.blocks[0]))
 
 
 def test_simulator_drives_the_runtime_policy():
@@ -140,7 +141,7 @@ def test_simulator_drives_the_runtime_policy():
     assert ("forward", "<root>", ("layers.0",)) in last_step
     assert ("forward", "layers.1", ("layers.2",)) in last_step
     assert ("backward", "layers.2", ("layers.1",)) in last_step
-    assert ("backward", "<root>", ()) in last_step
+    assert ("backward", "<root>", ("layers.2",)) in last_step  # reverse post-forward order
     assert ("admit", ("layers.1",), 0) in last_step
     # the first step has no recorded order yet: no forward prefetch
     assert ("forward", "<root>", ()) in calls[:len(calls) // 2]
