@@ -157,6 +157,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (CPU)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every system, interleaved")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = parser.parse_args(argv)
     if args.world_size < 1:
@@ -165,8 +166,19 @@ def main(argv=None) -> list[dict]:
     env = environment(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     rows, spans = [], None
+    # Systems run in turn, round after round (A B C D A B C D ...), so that a machine whose speed
+    # drifts (shared CPU cores) slows every system alike; each figure is the median over rounds.
+    rounds: dict[str, list[list[dict]]] = {system: [] for system in args.systems}
+    for _ in range(args.rounds):
+        for system in args.systems:
+            rounds[system].append(run_ranks(_run_system, args.world_size, system, args, backend=backend))
     for system in args.systems:
-        results = run_ranks(_run_system, args.world_size, system, args, backend=backend)
+        runs = rounds[system]
+        results = runs[0]
+        for key in ("step_ms", "peak_bytes", "comm_ms", "exposed_ms"):
+            if key in results[0]:
+                for rank, r in enumerate(results):
+                    r[key] = statistics.median(run[rank][key] for run in runs)
         step_ms = max(r["step_ms"] for r in results)
         tokens = args.world_size * args.batch * args.seq
         row = {"system": system, "world_size": args.world_size, "params_M": results[0]["params"] / 1e6,
@@ -190,7 +202,7 @@ def main(argv=None) -> list[dict]:
     write_csv(rows, out / f"{tag}.csv")
     notes = [f"Llama dim {args.dim}, {args.layers} layers, seq {args.seq}, {args.batch} sequences per rank, "
              f"{args.param_dtype}; W = {args.world_size} ({backend}); median of {args.steps} steps after "
-             f"{args.warmup} warm-up; peak memory per rank ({'max_memory_allocated' if cuda else 'peak RSS growth'}).",
+             f"{args.warmup} warm-up, median over {args.rounds} interleaved rounds of every system; peak memory per rank ({'max_memory_allocated' if cuda else 'peak RSS growth'}).",
              "comm/exposed: flashfsdp's own trace (flashfsdp.profile), per step; other systems not traced."]
     write_markdown(rows, columns + environment_columns(), out / f"{tag}.md", title="Training step", env=env, notes=notes)
     from benchmarks.common import bar_chart  # noqa: PLC0415
