@@ -23,7 +23,7 @@ from .state import FSDPState
 from .state_dict import install_state_dict_hooks
 
 _COMMUNICATOR_KINDS = ("auto", "nccl", "process_group")
-_nccl_cache: dict[tuple, Communicator] = {}
+_communicator_cache: dict[tuple, Communicator] = {}
 
 
 class UnshardHandle:
@@ -296,15 +296,18 @@ def _make_communicator(mesh, communicator, device: torch.device) -> Communicator
     kind = communicator
     if kind == "auto":
         kind = "nccl" if device.type == "cuda" else "process_group"
-    if kind == "process_group":
-        from flashfsdp.runtime.process_group import ProcessGroupCommunicator  # noqa: PLC0415
-
-        return ProcessGroupCommunicator(group)
-    # One NCCL communicator per (group, device), shared by every unit: creating one is expensive.
-    key = (id(group), str(device))
-    cached = _nccl_cache.get(key)
+    # One communicator per (group, kind, device), shared by every unit: an NCCL communicator is
+    # expensive to create, and clip_grad_norm_ then all-reduces once per group, not once per unit.
+    key = (id(group), kind, str(device))
+    cached = _communicator_cache.get(key)
     if cached is None or cached.group is not group:
-        from flashfsdp.runtime.nccl import NcclCommunicator  # noqa: PLC0415
+        if kind == "nccl":
+            from flashfsdp.runtime.nccl import NcclCommunicator  # noqa: PLC0415
 
-        cached = _nccl_cache[key] = NcclCommunicator(group, device)
+            cached = NcclCommunicator(group, device)
+        else:
+            from flashfsdp.runtime.process_group import ProcessGroupCommunicator  # noqa: PLC0415
+
+            cached = ProcessGroupCommunicator(group)
+        _communicator_cache[key] = cached
     return cached
