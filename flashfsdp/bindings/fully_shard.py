@@ -132,7 +132,9 @@ def fully_shard(
             or a single rank (W = 1) when torch.distributed is not initialised.
         reshard_after_forward: free the unsharded parameters after forward and all-gather again in
             backward (ZeRO-3); False keeps them until backward ends (ZeRO-2-like, more memory). An
-            int is a group size as in FSDP2: W means True, 1 means False; others are refused.
+            int k dividing W, as in FSDP2: after forward keep 1/k of the parameters and all-gather
+            in backward over k consecutive ranks only (ZeRO++ hpZ; k = GPUs per node keeps the
+            backward all-gathers on the node); W means True, 1 means False.
         mp_policy: ``param_dtype`` for forward/backward, ``reduce_dtype`` for the reduce-scatter.
         offload_policy: None or ``OffloadPolicy()``; ``CPUOffloadPolicy`` is not supported yet.
         ignored_params: parameters left as they are (not sharded, gradients not reduced).
@@ -145,10 +147,11 @@ def fully_shard(
     Raises:
         ValueError: ``module`` already fully_shard'ed; parameters on several devices; a parameter
             already owned by another unit or shared with one; a mesh that is not 1-D or does not
-            match the module's device; an unknown communicator.
+            match the module's device; an unknown communicator; a ``reshard_after_forward`` int that
+            does not divide W.
         TypeError: a non-floating parameter, a bad ``mp_policy``.
         RuntimeError: W > 1 requested (``WORLD_SIZE`` set) but torch.distributed not initialised.
-        NotImplementedError: ``CPUOffloadPolicy``; ``reshard_after_forward`` an int other than 1 or W.
+        NotImplementedError: ``CPUOffloadPolicy``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard: module must be an nn.Module, got {type(module).__name__}")
@@ -164,15 +167,18 @@ def fully_shard(
     params, fqns, registrations = _collect_params(module, ignored)
     device = _unit_device(module, params, mesh)
     comm = _make_communicator(mesh, communicator, device)
-    reshard_after_forward = _reshard_after_forward_flag(reshard_after_forward, comm.world_size)
+    post_forward_size = _post_forward_size(reshard_after_forward, comm.world_size)
+    post_forward_comm = None
+    if post_forward_size is not None:
+        post_forward_comm = _post_forward_communicator(comm, post_forward_size, communicator, device)
     # Named by class here; the root renames every unit by its qualified name at lazy init.
     unit = ShardedUnit(
         type(module).__name__, params, fqns, comm, device,
-        param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+        param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype, post_forward_comm=post_forward_comm,
     )
     cls = module.__class__
     module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    state = FSDPState(module, unit, registrations, mp_policy, reshard_after_forward)
+    state = FSDPState(module, unit, registrations, mp_policy, reshard_after_forward is not False)
     module.__dict__["_flashfsdp_state"] = state
     # state_dict() yields each unit parameter as a ShardedPiece that torch.distributed.checkpoint
     # saves and reshards; load_state_dict() writes into the sharded pieces (see state_dict.py).
@@ -180,21 +186,45 @@ def fully_shard(
     return module
 
 
-def _reshard_after_forward_flag(value, world_size: int) -> bool:
-    """FSDP2's ``bool | int``: an int is the group size to reshard to after forward. W means a full
-    reshard (True) and 1 means none (False); sizes in between (ZeRO++ hpZ) are not supported yet."""
+def _post_forward_size(value, world_size: int) -> int | None:
+    """FSDP2's ``reshard_after_forward: bool | int``: the size k of the group the unit is resharded
+    to after forward when 1 < k < W (ZeRO++ hpZ), else None (True, False, W or 1).
+
+    Raises:
+        ValueError: an int that is < 1, > W or does not divide W.
+        TypeError: neither a bool nor an int.
+    """
     if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if value == world_size:
-            return True
-        if value == 1:
-            return False
-        raise NotImplementedError(
-            f"fully_shard: reshard_after_forward={value} (reshard to a group of {value} ranks after forward) is not "
-            f"supported yet; pass True (reshard over all {world_size} ranks) or False"
+        return None
+    if not isinstance(value, int):
+        raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {type(value).__name__}")
+    if value < 1 or value > world_size or world_size % value:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={value} must be a group size that divides the world size "
+            f"{world_size} (1 < size < {world_size} reshards to groups of consecutive ranks); or pass True/False"
         )
-    raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {type(value).__name__}")
+    return value if 1 < value < world_size else None
+
+
+def _post_forward_communicator(comm: Communicator, k: int, kind, device: torch.device) -> Communicator:
+    """The communicator over this rank's group of k consecutive ranks of ``comm``'s group."""
+    group = getattr(comm, "group", None)
+    if group is None:
+        raise ValueError("fully_shard: reshard_after_forward=<int> needs a torch.distributed process group")
+    key = ("post_forward", id(group), k, str(device))
+    cached = _communicator_cache.get(key)
+    if cached is not None and cached.parent is group:
+        return cached
+    ranks = dist.get_process_group_ranks(group)
+    mine = None
+    for start in range(0, len(ranks), k):  # every rank creates every subgroup, in the same order
+        sub = dist.new_group(ranks[start : start + k])
+        if dist.get_rank() in ranks[start : start + k]:
+            mine = sub
+    cached = _make_communicator(None, kind, device, group=mine)
+    cached.parent = group
+    _communicator_cache[key] = cached
+    return cached
 
 
 def _collect_params(module: nn.Module, ignored: set[int]):
@@ -264,10 +294,13 @@ def _unit_device(module: nn.Module, params: list[nn.Parameter], mesh) -> torch.d
     return device
 
 
-def _make_communicator(mesh, communicator, device: torch.device) -> Communicator:
-    if isinstance(communicator, Communicator):
+def _make_communicator(mesh, communicator, device: torch.device, group=None) -> Communicator:
+    if isinstance(communicator, Communicator) and group is None:
         return communicator
-    if mesh is not None:
+    if group is not None:
+        if isinstance(communicator, Communicator):
+            communicator = "nccl" if device.type == "cuda" else "process_group"
+    elif mesh is not None:
         from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
 
         if not isinstance(mesh, DeviceMesh):

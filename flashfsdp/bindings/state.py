@@ -125,10 +125,11 @@ class FSDPState:
         if self.ctx is not None:
             self.ctx.prefetched.discard(self)
 
-    def reshard(self) -> None:
-        """Give the module its sharded pieces back and free the unsharded storage."""
+    def reshard(self, to_secondary: bool = False) -> None:
+        """Give the module its sharded pieces back and free the unsharded storage (keeping the
+        post-forward slice with ``to_secondary`` when the unit reshards to a smaller group)."""
         self._swap(False)
-        self.unit.reshard()
+        self.unit.reshard(to_secondary)
         if self.ctx is not None:
             self.ctx.prefetched.discard(self)
 
@@ -147,7 +148,7 @@ class FSDPState:
 
     def _prefetch(self, targets: list["FSDPState"]) -> None:
         ctx = self.ctx
-        candidates = [t for t in targets if t.unit.state is ShardState.SHARDED]
+        candidates = [t for t in targets if t.unit.state in (ShardState.SHARDED, ShardState.SECONDARY)]
         for target in ctx.policy.admit(candidates, len(ctx.prefetched)):
             target.unshard()
             ctx.prefetched.add(target)
@@ -193,8 +194,10 @@ class FSDPState:
         self._mark_compute_end("forward")
         if self.ctx is not None:
             self.ctx.order.record_post_forward(self)
-        if not torch.is_grad_enabled() or self.reshard_after_forward:
-            self.reshard()
+        if not torch.is_grad_enabled():
+            self.reshard()  # no backward follows
+        elif self.reshard_after_forward:
+            self.reshard(to_secondary=True)
         self.training_state = TrainingState.IDLE
         output = apply_to_tensors(self._pre_backward, output)
         if self.mp_policy.output_dtype is not None:

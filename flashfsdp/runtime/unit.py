@@ -50,6 +50,7 @@ class ShardState(enum.Enum):
     """Whether a unit's parameters are sharded, being gathered, or unsharded."""
 
     SHARDED = "sharded"
+    SECONDARY = "sharded over the post-forward group"
     UNSHARDING = "unsharding"
     UNSHARDED = "unsharded"
 
@@ -156,6 +157,11 @@ class ShardedUnit:
         device: the device of the shard and the buffers.
         param_dtype: dtype of the unsharded parameters (None: each parameter's own dtype).
         reduce_dtype: dtype of the gradient reduction (None: ``param_dtype``).
+        post_forward_comm: if given, ``reshard(to_secondary=True)`` after forward keeps this rank's
+            1/k of the unsharded buffer (k = its world size, a divisor of W; its ranks are k
+            consecutive ranks of ``communicator`` in order), and the backward's unshard
+            all-gathers over these k ranks only: the secondary sharding of ZeRO++ hpZ (Wang et
+            al. 2023) and FSDP2's ``reshard_after_forward=<int>``.
 
     A unit with no parameters is allowed: its unshard and reduction do nothing.
     """
@@ -169,9 +175,12 @@ class ShardedUnit:
         device: torch.device,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        post_forward_comm: Communicator | None = None,
     ):
         self.name = name
         self.comm = communicator
+        self.post_forward_comm = post_forward_comm
+        self._secondary: list[torch.Tensor] = []
         self.device = device
         self.streams: DeviceStreams = streams_for(device)
         self.param_dtype = param_dtype
@@ -213,22 +222,40 @@ class ShardedUnit:
         return group.sharded_params[pos]
 
     # ------------------------------------------------------------------ unshard / reshard
+    def _secondary_slice(self, group: FlatParam) -> torch.Tensor:
+        """This rank's 1/k of ``group``'s unsharded buffer for the post-forward group of k ranks."""
+        k, g = self.post_forward_comm.world_size, self.post_forward_comm.rank
+        n = group.layout.total // k
+        return group.unsharded_flat[g * n : (g + 1) * n]
+
     def unshard(self) -> AllGatherResult | None:
-        """Issue copy-in + all-gather of every group (asynchronous); None if already unsharded."""
-        if self.state is not ShardState.SHARDED:
+        """Issue copy-in + all-gather of every group (asynchronous); None if already unsharded.
+
+        From the post-forward (secondary) sharding, the copy-in takes this rank's 1/k slice and the
+        all-gather runs over the k ranks of the post-forward group.
+        """
+        if self.state not in (ShardState.SHARDED, ShardState.SECONDARY):
             return self._all_gather
+        secondary = self._secondary if self.state is ShardState.SECONDARY else []
+        comm = self.post_forward_comm if secondary else self.comm
         works = []
         buffers = [g.unsharded_flat for g in self.groups]
         versions = [b._version for b in buffers]
         prof, ag = trace.active(), self.streams.all_gather
         with self.streams.use(ag), torch.no_grad():
+            sources = []
             with trace.span("copy_in", self.name, "all_gather", ag):
-                for group in self.groups:
+                for i, group in enumerate(self.groups):
                     group.alloc_unsharded()
-                    group.copy_in()
+                    if secondary:
+                        sources.append(self._secondary_slice(group))
+                        sources[-1].copy_(secondary[i])
+                    else:
+                        group.copy_in()
+                        sources.append(group.shard_slice_of_unsharded())
             issued = prof.now(ag) if prof is not None else None
-            for group in self.groups:
-                works.append(self.comm.all_gather_into_tensor(group.unsharded_flat, group.shard_slice_of_unsharded()))
+            for group, source in zip(self.groups, sources):
+                works.append(comm.all_gather_into_tensor(group.unsharded_flat, source))
             issued_end = prof.now(ag) if prof is not None and self.streams.is_cuda else None
             event = self.streams.record(ag)
         self._all_gather = AllGatherResult(works, buffers, versions, event, self.name, issued, issued_end)
@@ -237,20 +264,29 @@ class ShardedUnit:
 
     def wait_unshard(self) -> None:
         """Make the current stream wait for the unshard in flight (issuing it if none is)."""
-        if self.state is ShardState.SHARDED:
+        if self.state in (ShardState.SHARDED, ShardState.SECONDARY):
             self.unshard()
         if self.state is ShardState.UNSHARDING:
             self._all_gather.wait()
             self._all_gather = None
             self.state = ShardState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Free the unsharded storage (waiting first for an all-gather still in flight)."""
+    def reshard(self, to_secondary: bool = False) -> None:
+        """Free the unsharded storage (waiting first for an all-gather still in flight).
+
+        With ``to_secondary`` (and a post-forward group), keep this rank's 1/k slice first.
+        """
         if self.state is ShardState.UNSHARDING:
             self.wait_unshard()
+        keep = to_secondary and self.post_forward_comm is not None and self.state is ShardState.UNSHARDED
+        if keep:
+            with torch.no_grad():
+                self._secondary = [self._secondary_slice(g).clone() for g in self.groups]
+        elif not (to_secondary and self.state is ShardState.SECONDARY):
+            self._secondary = []
         for group in self.groups:
             group.free_unsharded()
-        self.state = ShardState.SHARDED
+        self.state = ShardState.SECONDARY if self._secondary else ShardState.SHARDED
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self) -> list[PendingReduce]:
@@ -296,6 +332,7 @@ class ShardedUnit:
         """Bytes this rank holds now: master shard + gradient shard, and unsharded buffers."""
         return {
             "sharded": sum(g.sharded_nbytes() for g in self.groups),
+            "secondary": sum(t.numel() * t.element_size() for t in self._secondary),
             "unsharded": sum(g.unsharded_flat.untyped_storage().nbytes() for g in self.groups),
             "unsharded_max": sum(g.unsharded_nbytes for g in self.groups),
         }

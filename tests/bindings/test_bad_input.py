@@ -130,9 +130,9 @@ def test_max_inflight_must_be_a_non_negative_integer():
         model.set_max_inflight_all_gathers(-1)
 
 
-def test_reshard_after_forward_int_other_than_one_or_world_size():
+def test_reshard_after_forward_int_must_divide_the_world_size():
     fully_shard(nn.Linear(3, 3), reshard_after_forward=1)  # W = 1 here: 1 is both "all ranks" and "none"
-    with pytest.raises(NotImplementedError, match="reshard_after_forward=2 .* not supported yet"):
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2 must be a group size that divides the world size 1"):
         fully_shard(nn.Linear(3, 3), reshard_after_forward=2)
     with pytest.raises(TypeError, match="reshard_after_forward must be a bool or an int"):
         fully_shard(nn.Linear(3, 3), reshard_after_forward="yes")

@@ -152,3 +152,38 @@ def test_cuda_single_rank_matches_unsharded(communicator):
     backend = "nccl" if communicator == "process_group" else "gloo"  # CuPy NCCL needs only the store
     ((flash, ref),) = run_distributed(_cuda_w1, 1, communicator, kernels=None, backend=backend)
     torch.testing.assert_close(flash, ref, rtol=1e-5, atol=1e-6)
+
+
+def _hpz(rank, world_size):
+    return train_flashfsdp("llama", rank, world_size, reshard_after_forward=2)
+
+
+def test_reshard_after_forward_to_a_smaller_group_hpz():
+    results = run_distributed(_hpz, 4)
+    ref = train_reference("llama", 4)
+    for r in results:
+        torch.testing.assert_close(r["losses"], ref["losses"], **FP32)
+        _assert_params_close(r["params"], ref["params"], **FP32_PARAMS)
+
+
+def _hpz_memory(rank, world_size):
+    import flashfsdp  # noqa: PLC0415
+    from tests.models import make_llama  # noqa: PLC0415
+
+    model = make_llama()
+    for block in model.layers:
+        flashfsdp.fully_shard(block, reshard_after_forward=2)
+    flashfsdp.fully_shard(model)
+    logits = model(torch.randint(0, 64, (1, 8)))
+    unit = model.layers[0]._flashfsdp_state.unit
+    after_forward = unit.memory_bytes()
+    sub = unit.post_forward_comm
+    logits.sum().backward()
+    return after_forward, unit.memory_bytes(), sub.world_size, unit.groups[0].layout.total
+
+
+def test_hpz_keeps_one_slice_of_the_group_between_forward_and_backward():
+    for after_forward, after_backward, k, total in run_distributed(_hpz_memory, 4):
+        assert k == 2
+        assert after_forward["unsharded"] == 0 and after_forward["secondary"] == total // 2 * 4
+        assert after_backward["secondary"] == 0 and after_backward["unsharded"] == 0
