@@ -22,6 +22,12 @@ def _assert_params_close(got: dict, want: dict, **tol) -> None:
         torch.testing.assert_close(got[name].float(), want[name].float(), msg=lambda m: f"{name}: {m}", **tol)
 
 
+def _assert_trained_like(result: dict, ref: dict) -> None:
+    """Losses at every step and the final parameters match the replicated reference (fp32)."""
+    torch.testing.assert_close(result["losses"], ref["losses"], **FP32)
+    _assert_params_close(result["params"], ref["params"], **FP32_PARAMS)
+
+
 def _flash_and_fsdp2(rank, world_size, kind):
     flash = train_flashfsdp(kind, rank, world_size)
     fsdp2 = train_torch_fsdp2(kind, rank, world_size)
@@ -79,8 +85,7 @@ def test_gradient_accumulation_without_sync_equals_big_batch():
     results = run_distributed(_accumulate, 2)
     ref = train_reference("mlp", 2, grad_accum=4)
     for r in results:
-        torch.testing.assert_close(r["losses"], ref["losses"], **FP32)
-        _assert_params_close(r["params"], ref["params"], **FP32_PARAMS)
+        _assert_trained_like(r, ref)
 
 
 def _clip(rank, world_size, kind):
@@ -105,8 +110,7 @@ def test_activation_checkpointing(kind):
     results = run_distributed(_checkpointed, 2, kind)
     ref = train_reference(kind, 2)
     for r in results:
-        torch.testing.assert_close(r["losses"], ref["losses"], **FP32)
-        _assert_params_close(r["params"], ref["params"], **FP32_PARAMS)
+        _assert_trained_like(r, ref)
 
 
 def _no_reshard(rank, world_size):
@@ -117,8 +121,7 @@ def test_reshard_after_forward_false():
     results = run_distributed(_no_reshard, 2)
     ref = train_reference("llama", 2)
     for r in results:
-        torch.testing.assert_close(r["losses"], ref["losses"], **FP32)
-        _assert_params_close(r["params"], ref["params"], **FP32_PARAMS)
+        _assert_trained_like(r, ref)
 
 
 def _cuda_w1(rank, world_size, communicator):
@@ -162,8 +165,7 @@ def test_reshard_after_forward_to_a_smaller_group_hpz():
     results = run_distributed(_hpz, 4)
     ref = train_reference("llama", 4)
     for r in results:
-        torch.testing.assert_close(r["losses"], ref["losses"], **FP32)
-        _assert_params_close(r["params"], ref["params"], **FP32_PARAMS)
+        _assert_trained_like(r, ref)
 
 
 def _hpz_memory(rank, world_size):
