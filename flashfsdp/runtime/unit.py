@@ -70,7 +70,10 @@ def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple
 
 @dataclass
 class AllGatherResult:
-    """The all-gathers of one unshard, with the event that ends its copy-ins (DESIGN.md §9).
+    """The all-gathers of one unshard, as a named result that carries its synchronisation: the work
+    handles, and the event recorded on the all-gather stream after them (FSDP2's
+    ``AllGatherResult``, DESIGN.md §9). ``wait()`` orders the compute stream after both: the event
+    covers the copy-in where the collective completes at once (W = 1, ``LocalCommunicator``).
 
     [Note: version counters]
     The unsharded parameters share their version counter with the unsharded buffer. Torch ops
@@ -84,6 +87,7 @@ class AllGatherResult:
     buffers: list[torch.Tensor]
     versions: list[int]
     event: "torch.cuda.Event | None" = None
+    streams: "DeviceStreams | None" = None
     unit_name: str = ""
     issued: object = None  # trace timestamps of the collective (when a profile is active)
     issued_end: object = None
@@ -102,6 +106,9 @@ class AllGatherResult:
             end = _comm_end(self.issued_end, completed_before, waited, done)
             prof.add("all_gather", self.unit_name, "all_gather", self.issued, end)
         self.works = []
+        if self.streams is not None:
+            self.streams.wait(self.event)
+            self.streams = None
         if self.buffers:
             torch._C._autograd._unsafe_set_version_counter(tuple(self.buffers), tuple(self.versions))
 
@@ -258,7 +265,7 @@ class ShardedUnit:
                 works.append(comm.all_gather_into_tensor(group.unsharded_flat, source))
             issued_end = prof.now(ag) if prof is not None and self.streams.is_cuda else None
             event = self.streams.record(ag)
-        self._all_gather = AllGatherResult(works, buffers, versions, event, self.name, issued, issued_end)
+        self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, self.name, issued, issued_end)
         self.state = ShardState.UNSHARDING
         return self._all_gather
 
