@@ -47,6 +47,7 @@ class RootContext:
     pending: list[PendingReduce] = field(default_factory=list)
     prefetched: set = field(default_factory=set)
     callback_queued: bool = False
+    forward_without_backward: bool = False  # a grad-enabled forward whose backward has not run
 
     def finish_pending(self) -> None:
         """Wait for every reduce-scatter in flight and accumulate its result."""
@@ -164,6 +165,14 @@ class FSDPState:
         if self.is_root:
             ctx.finish_pending()
             ctx.order.start_step()
+            if ctx.forward_without_backward:
+                # The last forward recorded a graph but no backward ran: its unsharded parameters
+                # (and post-forward slices) may be stale by now (an optimizer step, a loaded state
+                # dict): gather from the master shards again.
+                for state in ctx.states:
+                    if state.unit.state is not ShardState.SHARDED:
+                        state.reshard()
+            ctx.forward_without_backward = torch.is_grad_enabled()
             if trace.active() is not None:
                 trace.active().next_step()
         self._check_input_devices(args, kwargs)
@@ -248,7 +257,9 @@ class FSDPState:
                 and state.requires_gradient_sync
             ):
                 state._post_backward()
-            elif state.holds_unsharded and state.reshard_after_backward and state.unit.state is not ShardState.SHARDED:
+            elif state.unit.state is ShardState.SECONDARY or (
+                state.holds_unsharded and state.reshard_after_backward and state.unit.state is not ShardState.SHARDED
+            ):
                 state.reshard()
             state.training_state = TrainingState.IDLE
         for state in list(ctx.prefetched):
@@ -258,6 +269,7 @@ class FSDPState:
         streams.wait_for_reduce_scatter(self.unit.name)
         streams.release_held()
         ctx.callback_queued = False
+        ctx.forward_without_backward = False
 
 
 def _tensors(tree) -> list[torch.Tensor]:

@@ -189,3 +189,26 @@ def test_hpz_keeps_one_slice_of_the_group_between_forward_and_backward():
         assert k == 2
         assert after_forward["unsharded"] == 0 and after_forward["secondary"] == total // 2 * 4
         assert after_backward["secondary"] == 0 and after_backward["unsharded"] == 0
+
+
+def _forward_without_backward(rank, world_size):
+    import flashfsdp  # noqa: PLC0415
+    from tests.models import make_llama  # noqa: PLC0415
+
+    model = make_llama(seed=0)
+    for block in model.layers:
+        flashfsdp.fully_shard(block, reshard_after_forward=2)
+    flashfsdp.fully_shard(model)
+    tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens)  # grad enabled, no backward: the root stays unsharded, the blocks keep hpZ slices
+    flashfsdp.set_full_state_dict(model, make_llama(seed=1).state_dict())  # new master weights
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_forward_without_backward_leaves_nothing_stale():
+    from tests.models import make_llama  # noqa: PLC0415
+
+    want = make_llama(seed=1)(torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0)))
+    for fresh in run_distributed(_forward_without_backward, 4):
+        torch.testing.assert_close(fresh, want, rtol=1e-5, atol=1e-5)
