@@ -60,6 +60,15 @@ def cases(sizes: list[int], small: bool) -> dict[str, list[tuple[int, ...]]]:
     return result
 
 
+def _path_label(device: torch.device) -> str:
+    """Which implementation of the ops this run times on ``device``, and why."""
+    if dispatch.select_backend(device) == "triton":
+        return "triton (interpreter)" if device.type == "cpu" else "triton"
+    if device.type == "cpu":
+        return "reference path (CPU tensors; the Triton kernels need CUDA or TRITON_INTERPRET=1)"
+    return f"reference path (Triton unavailable on {device.type})"
+
+
 class Bench:
     """Times implementations of one job and turns them into rows (with copy ceiling and speedup)."""
 
@@ -67,9 +76,7 @@ class Bench:
         self.device = device
         self.env = env
         self.repeats = repeats
-        self.flashfsdp_path = (
-            "triton" if dispatch.select_backend(device) == "triton" else "reference path (no CUDA)"
-        )
+        self.flashfsdp_path = _path_label(device)
         self._copy_ms: dict[int, float] = {}
 
     def time(self, fn: Callable[[], object]) -> float:

@@ -129,9 +129,10 @@ def flatten(
 
     Raises:
         TypeError: a non-tensor entry, an unsupported dtype, a non-int offset or a non-real scale.
-        ValueError: length mismatch between tensors, offsets and numels; a negative, out-of-range
-            or overlapping range; ``out`` not 1-D and contiguous; a tensor on another device or
-            partially overlapping ``out``'s memory.
+        ValueError: a scale that is not finite in float32; length mismatch between tensors,
+            offsets and numels; a negative, out-of-range or overlapping range; ``out`` not 1-D and
+            contiguous; a tensor on another device, or sharing ``out``'s memory without being
+            exactly ``out[offsets[i] : offsets[i] + n_i]``.
     """
     return _implementation("flatten", out)(
         tensors, offsets, out, scale=scale, numels=numels
@@ -160,8 +161,8 @@ def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.T
     Raises:
         TypeError: a non-tensor output, an unsupported dtype, a non-int offset.
         ValueError: length mismatch between outs and offsets; a negative or out-of-range range;
-            ``flat`` not 1-D and contiguous; an output on another device or partially overlapping
-            ``flat``'s memory.
+            ``flat`` not 1-D and contiguous; an output on another device, or sharing ``flat``'s
+            memory without being exactly ``flat[offsets[i] : offsets[i] + n_i]``.
     """
     return _implementation("unflatten", flat)(
         flat, offsets, outs
@@ -205,8 +206,8 @@ def accumulate_grad_shard(
 
     Raises:
         TypeError: non-tensor arguments, unsupported dtypes, a non-real scale.
-        ValueError: ``src.numel() != dst.numel()``, different devices, ``src`` partially
-            overlapping ``dst``'s memory.
+        ValueError: a scale that is not finite in float32; ``src.numel() != dst.numel()``,
+            different devices, ``src`` sharing ``dst``'s memory without being exactly ``dst``.
     """
     return _implementation("accumulate_grad_shard", dst)(
         src, dst, scale=scale, accumulate=accumulate

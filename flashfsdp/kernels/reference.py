@@ -31,6 +31,7 @@ def _scaled_fp32(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else x * scale
 
 
+@torch.no_grad()
 def flatten(
     tensors: Sequence[torch.Tensor | None],
     offsets: Sequence[int],
@@ -59,6 +60,7 @@ def flatten(
     return out
 
 
+@torch.no_grad()
 def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
     """Reference of :func:`flashfsdp.kernels.unflatten`: ``outs[i][...] = cast(flat[o_i : o_i + n_i])``."""
     offsets, sizes = validate_unflatten(flat, offsets, outs)
@@ -68,6 +70,7 @@ def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.T
         torch._foreach_copy_([out for out, _ in pairs], [source for _, source in pairs])
 
 
+@torch.no_grad()
 def accumulate_grad_shard(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -83,7 +86,9 @@ def accumulate_grad_shard(
     few passes as it can: an fp32 ``dst`` is updated in place; the squared norm is one fp32
     cascade sum (torch's CPU reduction; relative error ~1e-9 at millions of elements, where a
     dot product or ``vector_norm`` drifts by ~1e-4); the inf/nan scan runs only when that norm
-    is not finite (a finite sum of squares has no inf/nan term).
+    is not finite (a finite sum of squares has no inf/nan term) on CPU; on another device the scan
+    always runs, so that no host synchronisation is needed. Runs under ``torch.no_grad()``, as the
+    Triton path does: the ops write buffers outside autograd.
     """
     scale = validate_accumulate_grad_shard(src, dst, scale)
     update = _scaled_fp32(src, scale)
@@ -99,7 +104,7 @@ def accumulate_grad_shard(
         dst.copy_(update.view(dst.shape))
         stored = dst.reshape(-1).float()
     norm_sq = stored.square().sum()
-    if torch.isfinite(norm_sq):
+    if dst.device.type == "cpu" and torch.isfinite(norm_sq):  # free on CPU; a host sync elsewhere
         nonfinite = torch.zeros((), dtype=torch.bool, device=dst.device)
     else:
         nonfinite = ~torch.isfinite(stored).all()

@@ -61,13 +61,17 @@ def check_same_device(op: str, name: str, tensor: torch.Tensor, ref_name: str, r
         raise ValueError(f"{op}: {name} is on {tensor.device} but {ref_name} is on {ref.device}")
 
 
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def check_scale(op: str, scale: object) -> float:
     """Return ``scale`` as a Python float: ``TypeError`` if it is not a real number, ``ValueError``
-    if it is inf or nan (which would turn zeroed gaps into nan)."""
+    if it is not finite *in fp32*, the precision every op multiplies in (an inf or nan scale would
+    turn zeroed gaps into nan: 0 * inf)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"{op}: scale must be finite, got {scale}")
+    if not math.isfinite(scale) or abs(scale) > _FP32_MAX:
+        raise ValueError(f"{op}: scale must be finite in float32 (|scale| <= {_FP32_MAX:.6e}), got {scale}")
     return float(scale)
 
 
@@ -104,10 +108,14 @@ def check_ranges(
     overlap each other. Offsets need not be sorted: the check sorts them (numpy, so a unit of
     thousands of tensors costs microseconds). Raises ``ValueError`` naming the first bad entry.
     """
-    starts = np.asarray(offsets, dtype=np.int64)
     sizes = np.asarray(numels, dtype=np.int64)
-    ends = starts + sizes
-    out_of_range = (starts < 0) | (ends > buffer_numel)
+    try:
+        starts = np.asarray(offsets, dtype=np.int64)
+    except OverflowError:  # an offset beyond int64: out of range of any buffer
+        starts = np.asarray([min(max(o, -1), buffer_numel + 1) for o in offsets], dtype=np.int64)
+    # Compared as start > numel - size, never as start + size > numel: the sum of an offset near
+    # 2^63 and a size wraps around in int64 and would pass.
+    out_of_range = (starts < 0) | (starts > buffer_numel - sizes)
     if out_of_range.any():
         i = int(np.argmax(out_of_range))
         if offsets[i] < 0:
@@ -118,6 +126,7 @@ def check_ranges(
         )
     if not disjoint:
         return
+    ends = starts + sizes  # in range now: no wrap-around
     nonempty = np.flatnonzero(sizes > 0)
     order = nonempty[np.argsort(starts[nonempty], kind="stable")]
     overlapping = starts[order[1:]] < ends[order[:-1]]

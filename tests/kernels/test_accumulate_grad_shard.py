@@ -33,12 +33,13 @@ def run_and_check(ops, src, dst, scale, accumulate):
 @pytest.mark.parametrize("shapes", [((0,), (0,)), ((1,), (1,)), ((123, 77), (123 * 77,))], ids=str)
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=dtype_id)
 @pytest.mark.parametrize("accumulate", [True, False], ids=["add", "assign"])
-def test_every_dtype_pair(ops, device, shapes, dtypes, accumulate):
+@pytest.mark.parametrize("scale", [1.0, -0.375], ids=["scale1", "scale-0.375"])
+def test_every_dtype_pair(ops, device, shapes, dtypes, accumulate, scale):
     src_shape, dst_shape = shapes
     src_dtype, dst_dtype = dtypes
     src = random_tensor(src_shape, src_dtype, device, seed=1)
     dst = random_tensor(dst_shape, dst_dtype, device, seed=2)
-    norm_sq, nonfinite = run_and_check(ops, src, dst, 1.0, accumulate)
+    norm_sq, nonfinite = run_and_check(ops, src, dst, scale, accumulate)
     if dst.numel() == 0:
         assert float(norm_sq) == 0.0 and not bool(nonfinite)
 

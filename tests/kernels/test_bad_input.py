@@ -41,6 +41,13 @@ CASES = [
      ValueError, r"flatten: numels\[0\]=-2 is negative"),
     ("flatten-none-past-end", "flatten", lambda d: (([None], [1], f32(4, device=d)), {"numels": [4]}),
      ValueError, r"flatten: offsets\[0\]=1 with tensors\[0\] of 4 elements ends at 5"),
+    # An offset near 2^63 must not wrap around in the range check (start + size overflows int64).
+    ("flatten-offset-near-int64-max", "flatten", lambda d: (([f32(2, device=d)], [2**63 - 1], f32(4, device=d)), {}),
+     ValueError, r"flatten: offsets\[0\]=9223372036854775807 with tensors\[0\] of 2 elements .* past out.numel\(\)=4"),
+    ("flatten-offset-beyond-int64", "flatten", lambda d: (([f32(2, device=d)], [2**64], f32(4, device=d)), {}),
+     ValueError, r"flatten: offsets\[0\]=18446744073709551616 with tensors\[0\] of 2 elements .* past out.numel\(\)=4"),
+    ("flatten-scale-infinite-in-fp32", "flatten", lambda d: (([f32(2, device=d)], [1], f32(4, device=d)), {"scale": 1e39}),
+     ValueError, r"flatten: scale must be finite in float32 .* got 1e\+39"),
     ("flatten-not-a-tensor", "flatten", lambda d: (([[1.0, 2.0]], [0], f32(4, device=d)), {}),
      TypeError, r"flatten: tensors\[0\] must be a torch.Tensor, got list"),
     ("flatten-float-offset", "flatten", lambda d: (([f32(2, device=d)], [1.5], f32(4, device=d)), {}),
@@ -55,6 +62,8 @@ CASES = [
      ValueError, r"flatten: tensors\[0\] shares memory with out without being exactly out\[2:4\]"),
     ("unflatten-past-end", "unflatten", lambda d: ((f32(10, device=d), [0, 8], [f32(2, device=d), f32(3, device=d)]), {}),
      ValueError, r"unflatten: offsets\[1\]=8 with outs\[1\] of 3 elements ends at 11, past flat.numel\(\)=10"),
+    ("unflatten-offset-near-int64-max", "unflatten", lambda d: ((f32(10, device=d), [2**63 - 1], [f32(2, device=d)]), {}),
+     ValueError, r"unflatten: offsets\[0\]=9223372036854775807 with outs\[0\] of 2 elements .* past flat.numel\(\)=10"),
     ("unflatten-negative-offset", "unflatten", lambda d: ((f32(10, device=d), [-3], [f32(2, device=d)]), {}),
      ValueError, r"unflatten: offsets\[0\]=-3 is negative"),
     ("unflatten-int-out", "unflatten", lambda d: ((f32(10, device=d), [0], [torch.zeros(2, dtype=torch.int8, device=d)]), {}),
@@ -81,6 +90,8 @@ CASES = [
      ValueError, r"accumulate_grad_shard: src is on meta but dst is on"),
     ("accumulate-partial-alias", "accumulate_grad_shard", lambda d: (lambda b: ((b[1:4], b[0:3]), {}))(f32(8, device=d)),
      ValueError, r"accumulate_grad_shard: src shares memory with dst"),
+    ("accumulate-scale-infinite-in-fp32", "accumulate_grad_shard", lambda d: ((f32(3, device=d), f32(3, device=d)), {"scale": -4e38}),
+     ValueError, r"accumulate_grad_shard: scale must be finite in float32"),
     ("accumulate-inf-scale", "accumulate_grad_shard", lambda d: ((f32(3, device=d), f32(3, device=d)), {"scale": float("inf")}),
      ValueError, r"accumulate_grad_shard: scale must be finite"),
 ]
@@ -98,3 +109,18 @@ def test_errors_leave_the_output_untouched(ops, device):
     with pytest.raises(ValueError):
         ops.flatten([torch.ones(4, device=device), torch.ones(4, device=device)], [0, 3], out)
     assert torch.equal(out.cpu(), torch.full((8,), 7.0))
+
+
+def test_ops_stay_outside_autograd(ops, device):
+    """Inputs that require grad do not put the outputs on the autograd graph, on any path: the ops
+    write buffers that the runtime hands to autograd itself (as the Triton path always did)."""
+    x = torch.randn(5, device=device, requires_grad=True)
+    out = ops.flatten([x], [1], f32(8, device=device), scale=2.0)
+    assert not out.requires_grad and out.grad_fn is None
+    dst = f32(5, device=device)
+    ops.accumulate_grad_shard(x, dst, scale=0.5)
+    assert not dst.requires_grad and dst.grad_fn is None
+    assert torch.equal(dst.cpu(), (x.detach() * 0.5).cpu())
+    y = f32(5, device=device)
+    ops.unflatten(out, [1], [y])
+    assert not y.requires_grad and torch.equal(y.cpu(), (x.detach() * 2).cpu())

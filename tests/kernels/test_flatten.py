@@ -130,8 +130,8 @@ def test_property_reference(layout):
     check_random_layout(reference.flatten, layout, kernel_device())
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layout=layouts(max_tensors=6))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(max_tensors=12))
 def test_property_triton(layout):
     if dispatch.triton_device_type() is None:
         pytest.skip("triton cannot be imported")
