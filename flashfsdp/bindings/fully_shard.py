@@ -178,7 +178,9 @@ def fully_shard(
     )
     cls = module.__class__
     module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    state = FSDPState(module, unit, registrations, mp_policy, reshard_after_forward is not False)
+    # FSDP2's int: W behaves like True and 1 like False (keep the parameters for backward).
+    reshard = reshard_after_forward if isinstance(reshard_after_forward, bool) else reshard_after_forward != 1
+    state = FSDPState(module, unit, registrations, mp_policy, reshard)
     module.__dict__["_flashfsdp_state"] = state
     # state_dict() yields each unit parameter as a ShardedPiece that torch.distributed.checkpoint
     # saves and reshards; load_state_dict() writes into the sharded pieces (see state_dict.py).

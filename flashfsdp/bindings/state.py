@@ -205,6 +205,11 @@ class FSDPState:
             self.ctx.order.record_post_forward(self)
         if not torch.is_grad_enabled():
             self.reshard()  # no backward follows
+            if self.is_root:
+                # A unit prefetched in this forward that never ran (a branch not taken) would keep
+                # its gathered parameters, stale after the next optimizer step or load.
+                for state in list(self.ctx.prefetched):
+                    state.reshard()
         elif self.reshard_after_forward:
             self.reshard(to_secondary=True)
         self.training_state = TrainingState.IDLE
@@ -231,6 +236,7 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
+        ctx.order.record_pre_backward(self)
         self.wait_unshard()
         self._prefetch(ctx.policy.backward_targets(self, ctx.order, self.explicit_backward_prefetch))
         self._mark_compute_start()

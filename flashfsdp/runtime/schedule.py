@@ -6,10 +6,14 @@ The runtime (``flashfsdp.bindings``) and the overlap simulator replay the same p
   starts its forward, unshard the unit that followed u in the last complete step's order — but only
   while this step has followed that order so far; a changed order (a branch taken, a unit skipped
   or run twice) turns implicit prefetch off for the rest of the step and the new order is recorded
-  for the next one, so a prefetch is never a wrong guess.
+  for the next one. So a wrong guess costs at most the one prefetch issued just before the order
+  changed (a unit that then runs later in the step uses it; one that never runs is resharded at
+  the end of the step).
 - Implicit **backward prefetch**: when unit u starts its backward, unshard the unit whose forward
   *ended* just before u's did (backward runs in reverse post-forward order). Ordering by
   post-forward, as FSDP2 does, makes the root — whose forward ends last — prefetch the last block.
+  A unit that ran k times in forward starts k backwards, last forward first: its j-th backward
+  prefetches the predecessor of its (k-j+1)-th forward (``record_pre_backward`` counts them).
 - Explicit lists (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``)
   replace the implicit choice for that unit.
 - At most ``max_inflight`` prefetched units may be unsharded ahead of compute.
@@ -33,6 +37,7 @@ class ExecutionOrder:
     previous: list | None = None
     diverged: bool = False
     post_forward: list = field(default_factory=list)
+    backward_starts: dict = field(default_factory=dict)
 
     def start_step(self) -> None:
         """Close the step being recorded (it becomes ``previous``) and start a new one."""
@@ -40,11 +45,17 @@ class ExecutionOrder:
             self.previous = self.current
         self.current = []
         self.post_forward = []
+        self.backward_starts = {}
         self.diverged = False
 
     def record_post_forward(self, key: Key) -> None:
         """Note that ``key`` finished its forward (drives the backward prefetch order)."""
         self.post_forward.append(key)
+
+    def record_pre_backward(self, key: Key) -> None:
+        """Note that ``key`` started a backward (the j-th of this step pairs with its j-th last
+        forward, see :meth:`previous_in_forward`)."""
+        self.backward_starts[key] = self.backward_starts.get(key, 0) + 1
 
     def record(self, key: Key) -> None:
         """Note that ``key`` started its forward (first call per step counts; re-runs are kept too)."""
@@ -65,12 +76,15 @@ class ExecutionOrder:
         return prev[pos + 1]
 
     def previous_in_forward(self, key: Key) -> Key | None:
-        """The unit whose forward ended just before ``key``'s (last) forward ended this step."""
-        order = self.post_forward
-        for pos in range(len(order) - 1, -1, -1):
-            if order[pos] == key:
-                return order[pos - 1] if pos > 0 else None
-        return None
+        """The unit whose forward ended just before the forward of ``key`` that the current backward
+        undoes: its last forward for its first backward (or when no backward was recorded), the
+        one before for its second, and so on. None if there is no such forward or predecessor."""
+        positions = [pos for pos, k in enumerate(self.post_forward) if k == key]
+        which = len(positions) - max(1, self.backward_starts.get(key, 1))
+        if which < 0:
+            return None
+        pos = positions[which]
+        return self.post_forward[pos - 1] if pos > 0 else None
 
 
 @dataclass

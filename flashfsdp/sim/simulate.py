@@ -401,12 +401,14 @@ class _Runtime:
         self._compute(model.loss_s, "loss", "")
         # backward
         grads = {}
+        self.order.record_pre_backward(root)
         self.wait_unshard(root)
         self.prefetch(self.policy.backward_targets(root, self.order, self.bwd_lists.get(root)))
         grads[root] = self._alloc(model.root.unsharded_bytes(self.W))
         self._compute(model.root.backward_s * (1 - model.root_backward_after), "backward", root)
         for name in reversed(blocks):
             unit = self.states[name].unit
+            self.order.record_pre_backward(name)
             self.wait_unshard(name)
             self.prefetch(self.policy.backward_targets(name, self.order, self.bwd_lists.get(name)))
             grads[name] = self._alloc(unit.unsharded_bytes(self.W))

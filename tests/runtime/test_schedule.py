@@ -66,6 +66,26 @@ def test_backward_prefetch_is_reverse_post_forward_order():
     assert policy.backward_targets("a", order) == []
 
 
+def test_backward_of_a_unit_run_twice_prefetches_the_predecessor_of_each_forward():
+    """Forward a b c a: backward runs a (its 2nd forward) c b a (its 1st). The first backward of a
+    prefetches c; the second has nothing before it (it must not prefetch c again)."""
+    order, policy = ExecutionOrder(), PrefetchPolicy()
+    order.start_step()
+    for k in "abca":
+        order.record(k)
+        order.record_post_forward(k)
+    expected = {0: ["c"], 1: ["b"], 2: ["a"], 3: []}
+    for i, k in enumerate("acba"):
+        order.record_pre_backward(k)
+        assert policy.backward_targets(k, order) == expected[i], (i, k)
+    order.start_step()  # the count starts again each step
+    for k in "abca":
+        order.record(k)
+        order.record_post_forward(k)
+    order.record_pre_backward("a")
+    assert policy.backward_targets("a", order) == ["c"]
+
+
 def test_explicit_lists_win_and_in_flight_limit_applies():
     order, policy = ExecutionOrder(), PrefetchPolicy(max_inflight=2)
     _run(order, "abcd")
