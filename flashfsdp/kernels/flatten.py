@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from flashfsdp.kernels.segments import DTYPE_CODES, ZERO_CODE, segment_table, uncovered_ranges
+from flashfsdp.kernels.segments import ZERO_CODE, gap_segments, segment_table
 from flashfsdp.kernels.triton_helpers import cast_from_float32, find_segment, load_as_float32
 from flashfsdp.kernels.triton_support import tl, triton
 from flashfsdp.kernels.validation import validate_flatten
@@ -69,26 +70,32 @@ def flatten_triton(
     Non-contiguous tensors are copied with ``.contiguous()`` first (one extra read and write of
     those tensors). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
     """
-    offsets, sizes, scale = validate_flatten(tensors, offsets, out, scale, numels)
-    # Non-empty tensors (contiguous copies kept alive here until the launch is enqueued), then the
-    # ranges no tensor covers as zero segments.
-    sources = [(t.contiguous(), o, n) for t, o, n in zip(tensors, offsets, sizes) if t is not None and n > 0]
-    addresses = [t.data_ptr() for t, _, _ in sources]
-    codes = [DTYPE_CODES[t.dtype] for t, _, _ in sources]
-    starts = [o for _, o, _ in sources]
-    lengths = [n for _, _, n in sources]
-    for gap_start, gap_stop in uncovered_ranges(zip(starts, lengths), out.numel()):
-        addresses.append(0)
-        codes.append(ZERO_CODE)
-        starts.append(gap_start)
-        lengths.append(gap_stop - gap_start)
-    if not lengths:
+    offsets, items, scale = validate_flatten(tensors, offsets, out, scale, numels)
+    addresses = items.addresses
+    copies = []  # contiguous copies of non-contiguous tensors, alive until the launch is enqueued
+    for i in items.noncontiguous:
+        copies.append(tensors[i].contiguous())
+        addresses[i] = copies[-1].data_ptr()
+    # One segment per non-empty entry (a None entry is a zero segment: address 0, ZERO_CODE), then
+    # the ranges no entry covers, as zero segments too.
+    sizes = np.asarray(items.sizes, dtype=np.int64)
+    nonempty = sizes > 0
+    starts = np.asarray(offsets, dtype=np.int64)[nonempty]
+    lengths = sizes[nonempty]
+    gap_starts, gap_lengths = gap_segments(starts, lengths, out.numel())
+    if not len(lengths) and not len(gap_lengths):
         return out
-    table, n_blocks = segment_table(addresses, codes, starts, lengths, out, BLOCK)
+    table, n_blocks = segment_table(
+        np.concatenate((np.asarray(addresses, dtype=np.int64)[nonempty], np.zeros_like(gap_starts))),
+        np.concatenate((np.asarray(items.codes, dtype=np.int64)[nonempty], np.full_like(gap_starts, ZERO_CODE))),
+        np.concatenate((starts, gap_starts)),
+        np.concatenate((lengths, gap_lengths)),
+        out, BLOCK,
+    )
     # No multiply-add to fuse here; passing enable_fp_fusion keeps Triton 3.9 from warning about
     # its changing default.
     flatten_kernel[(n_blocks,)](
-        table, len(lengths), out, scale,
+        table, table.shape[0], out, scale,
         BLOCK=BLOCK, APPLY_SCALE=scale != 1.0, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
     return out

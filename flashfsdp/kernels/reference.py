@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from flashfsdp.kernels.segments import uncovered_ranges
+from flashfsdp.kernels.segments import gap_segments
 from flashfsdp.kernels.validation import (
     validate_accumulate_grad_shard,
     validate_flatten,
@@ -45,10 +45,11 @@ def flatten(
     Every element of ``out`` that no tensor covers (gaps, ``None`` entries) is set to 0.
     Returns ``out``.
     """
-    offsets, sizes, scale = validate_flatten(tensors, offsets, out, scale, numels)
-    entries = [(t, o, n) for t, o, n in zip(tensors, offsets, sizes) if t is not None and n > 0]
-    for start, stop in uncovered_ranges([(o, n) for _, o, n in entries], out.numel()):
-        out[start:stop].zero_()
+    offsets, items, scale = validate_flatten(tensors, offsets, out, scale, numels)
+    entries = [(t, o, n) for t, o, n in zip(tensors, offsets, items.sizes) if t is not None and n > 0]
+    gap_starts, gap_lengths = gap_segments([o for _, o, _ in entries], [n for _, _, n in entries], out.numel())
+    for start, length in zip(gap_starts.tolist(), gap_lengths.tolist()):
+        out[start : start + length].zero_()
     views = [out[offset : offset + size] for _, offset, size in entries]
     if entries and scale == 1.0:
         # x.float().to(out.dtype) == x.to(out.dtype) for these dtypes: copy_ casts (RNE) in one pass,
@@ -63,9 +64,9 @@ def flatten(
 @torch.no_grad()
 def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
     """Reference of :func:`flashfsdp.kernels.unflatten`: ``outs[i][...] = cast(flat[o_i : o_i + n_i])``."""
-    offsets, sizes = validate_unflatten(flat, offsets, outs)
+    offsets, items = validate_unflatten(flat, offsets, outs)
     pairs = [(out, flat[offset : offset + size].view(out.shape))
-             for out, offset, size in zip(outs, offsets, sizes) if size > 0]
+             for out, offset, size in zip(outs, offsets, items.sizes) if size > 0]
     if pairs:
         torch._foreach_copy_([out for out, _ in pairs], [source for _, source in pairs])
 

@@ -1,34 +1,36 @@
 """Host-side bookkeeping of the multi-tensor ops: covered ranges of a flat buffer, segment tables.
 
-No Triton here: the reference path uses :func:`uncovered_ranges` too, and the Triton launchers
+No Triton here: the reference path uses :func:`gap_segments` too, and the Triton launchers
 build their device tables with :func:`segment_table`.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 
-def uncovered_ranges(ranges: Iterable[tuple[int, int]], total: int) -> list[tuple[int, int]]:
-    """The parts of ``[0, total)`` that no ``(offset, numel)`` range covers, as ``(start, stop)``.
+def gap_segments(
+    starts: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray, total: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The parts of ``[0, total)`` that no range ``[starts[i], starts[i] + lengths[i])`` covers.
 
-    ``ranges`` may come in any order and must be disjoint (validation guarantees it); empty ranges
-    are ignored. The result is sorted and holds no empty range.
+    The ranges may come in any order and must be disjoint (validation guarantees it); empty ranges
+    are ignored. Returns ``(gap_starts, gap_lengths)``: int64 arrays, sorted, every length > 0.
+    Vectorised (numpy), so a unit of thousands of tensors costs microseconds.
     """
-    gaps = []
-    position = 0
-    for offset, numel in sorted(ranges):
-        if numel == 0:
-            continue
-        if offset > position:
-            gaps.append((position, offset))
-        position = offset + numel
-    if total > position:
-        gaps.append((position, total))
-    return gaps
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    nonempty = lengths > 0
+    order = np.argsort(starts[nonempty], kind="stable")
+    begins = starts[nonempty][order]
+    ends = begins + lengths[nonempty][order]
+    gap_starts = np.concatenate(([0], ends))
+    gap_lengths = np.concatenate((begins, [total])) - gap_starts
+    keep = gap_lengths > 0
+    return gap_starts[keep], gap_lengths[keep]
 
 
 # [Note: segment tables]
@@ -56,10 +58,10 @@ ALIGNMENT_BYTES = 16
 
 
 def segment_table(
-    addresses: Sequence[int],
-    codes: Sequence[int],
-    flat_offsets: Sequence[int],
-    numels: Sequence[int],
+    addresses: Sequence[int] | np.ndarray,
+    codes: Sequence[int] | np.ndarray,
+    flat_offsets: Sequence[int] | np.ndarray,
+    numels: Sequence[int] | np.ndarray,
     flat: torch.Tensor,
     block: int,
 ) -> tuple[torch.Tensor, int]:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from flashfsdp.kernels.segments import DTYPE_CODES, segment_table
+from flashfsdp.kernels.segments import segment_table
 from flashfsdp.kernels.triton_helpers import find_segment, store_from_float32
 from flashfsdp.kernels.triton_support import tl, triton
 from flashfsdp.kernels.validation import validate_unflatten
@@ -48,25 +49,23 @@ def unflatten_triton(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[
     the launch (stream-ordered, no host sync). Runs on CUDA tensors, or on CPU tensors under
     ``TRITON_INTERPRET=1``.
     """
-    offsets, sizes = validate_unflatten(flat, offsets, outs)
+    offsets, items = validate_unflatten(flat, offsets, outs)
+    addresses = items.addresses
     write_backs = []  # (non-contiguous output, its contiguous temporary)
-    addresses, codes, starts, lengths = [], [], [], []
-    for out, offset, size in zip(outs, offsets, sizes):
-        if size == 0:
-            continue
-        if not out.is_contiguous():
-            temporary = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            write_backs.append((out, temporary))
-            out = temporary
-        addresses.append(out.data_ptr())
-        codes.append(DTYPE_CODES[out.dtype])
-        starts.append(offset)
-        lengths.append(size)
-    if not lengths:
+    for i in items.noncontiguous:
+        temporary = torch.empty(outs[i].shape, dtype=outs[i].dtype, device=outs[i].device)
+        write_backs.append((outs[i], temporary))
+        addresses[i] = temporary.data_ptr()
+    sizes = np.asarray(items.sizes, dtype=np.int64)
+    nonempty = sizes > 0
+    if not nonempty.any():
         return
-    table, n_blocks = segment_table(addresses, codes, starts, lengths, flat, BLOCK)
+    table, n_blocks = segment_table(
+        np.asarray(addresses, dtype=np.int64)[nonempty], np.asarray(items.codes, dtype=np.int64)[nonempty],
+        np.asarray(offsets, dtype=np.int64)[nonempty], sizes[nonempty], flat, BLOCK,
+    )
     unflatten_kernel[(n_blocks,)](  # enable_fp_fusion: see flatten_triton
-        table, len(lengths), flat, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False
+        table, table.shape[0], flat, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False
     )
     for out, temporary in write_backs:
         out.copy_(temporary)

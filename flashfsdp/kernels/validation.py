@@ -7,24 +7,27 @@ e.g. ``flatten: offsets[3]=120 overlaps tensors[2] which covers [100, 130)``.
 Errors:
 - ``TypeError`` for an argument of the wrong kind: not a tensor, an offset that is not an int, a
   dtype outside :data:`SUPPORTED_DTYPES`.
-- ``ValueError`` for a value of the right kind but wrong: a non-finite scale, length mismatches,
-  negative / out-of-range / overlapping offsets, a non-contiguous or non-1-D flat buffer, tensors on
-  different devices, a partial memory overlap between an input and an output.
+- ``ValueError`` for a value of the right kind but wrong: a scale not finite in fp32, length
+  mismatches, negative / out-of-range / overlapping offsets, a non-contiguous or non-1-D flat
+  buffer, tensors on different devices, an input whose memory overlaps an output's without being
+  exactly the output's slice at its offset.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
+from flashfsdp.kernels.segments import DTYPE_CODES, ZERO_CODE
+
 # The float dtypes every op reads and writes. Arithmetic happens in fp32, so float64 is left out on
 # purpose (it would silently lose precision); fp8 formats are a later addition.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+_ITEMSIZE_BY_CODE = {DTYPE_CODES[dtype]: dtype.itemsize for dtype in SUPPORTED_DTYPES}
 
 
 def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
@@ -139,7 +142,23 @@ def check_ranges(
         )
 
 
-def _item_sizes(
+class ScannedItems(NamedTuple):
+    """What one validation pass over a multi-tensor op's items learned (one entry per item).
+
+    Attributes:
+        sizes: elements of each item (``numels[i]`` for a ``None`` entry).
+        addresses: ``data_ptr()`` of each item (0 for ``None``).
+        codes: the item's dtype code (``segments.DTYPE_CODES``; ``ZERO_CODE`` for ``None``).
+        noncontiguous: indices of the non-empty tensors that are not contiguous.
+    """
+
+    sizes: list[int]
+    addresses: list[int]
+    codes: list[int]
+    noncontiguous: list[int]
+
+
+def _scan_items(
     op: str,
     items_name: str,
     items: Sequence[torch.Tensor | None],
@@ -148,53 +167,82 @@ def _item_sizes(
     buffer: torch.Tensor,
     numels: list[int] | None = None,
     allow_none: bool = False,
-) -> list[int]:
-    """Check every item of a multi-tensor op against the flat ``buffer``; return the item sizes.
+) -> ScannedItems:
+    """Check every item of a multi-tensor op against the flat ``buffer`` in one pass.
 
-    Items must be supported-dtype tensors on ``buffer``'s device that do not partially alias it
-    (or ``None`` with ``allow_none``, sized by ``numels``). The loop does the cheap checks inline
-    and builds messages only on failure: a unit can have thousands of tensors.
+    Items must be supported-dtype tensors on ``buffer``'s device whose memory does not overlap
+    ``buffer``'s unless they are exactly the slice at their offset (or ``None`` with
+    ``allow_none``, sized by ``numels``). This loop is the launchers' host cost per tensor (a unit
+    can have thousands), so it reads each attribute once, compares byte ranges instead of
+    storages, and builds messages only on failure.
     """
     device = buffer.device
-    buffer_storage = buffer.untyped_storage().data_ptr()
-    sizes = []
+    lo = buffer.data_ptr()
+    hi = lo + buffer.numel() * buffer.element_size()
+    codes_of, itemsizes = DTYPE_CODES, _ITEMSIZE_BY_CODE
+    sizes, addresses, codes, noncontiguous = [], [], [], []
     for i, item in enumerate(items):
         if item is None and allow_none:
             size = 0 if numels is None else numels[i]
             if size < 0:
                 raise ValueError(f"{op}: numels[{i}]={size} is negative")
             sizes.append(size)
+            addresses.append(0)
+            codes.append(ZERO_CODE)
             continue
-        if not isinstance(item, torch.Tensor) or item.dtype not in _SUPPORTED or item.device != device:
+        if not isinstance(item, torch.Tensor) or item.dtype not in codes_of or item.device != device:
             check_tensor(op, f"{items_name}[{i}]", item)
             check_same_device(op, f"{items_name}[{i}]", item, buffer_name, buffer)
+        code = codes_of[item.dtype]
         size = item.numel()
         if numels is not None and numels[i] != size:
             raise ValueError(f"{op}: numels[{i}]={numels[i]} but {items_name}[{i}] has {size} elements")
-        if size and item.untyped_storage().data_ptr() == buffer_storage:
-            _check_aliasing(op, f"{items_name}[{i}]", item, buffer_name, buffer, offsets[i])
+        address = item.data_ptr()
+        if size:
+            if item.is_contiguous():
+                overlaps = address < hi and address + size * itemsizes[code] > lo
+            else:
+                noncontiguous.append(i)
+                start, stop = _byte_range(item)
+                overlaps = start < hi and stop > lo
+            if overlaps:
+                _check_aliasing(op, f"{items_name}[{i}]", item, buffer_name, buffer, offsets[i])
         sizes.append(size)
-    return sizes
+        addresses.append(address)
+        codes.append(code)
+    return ScannedItems(sizes, addresses, codes, noncontiguous)
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[first byte, past the last byte)`` of the memory a non-empty tensor's elements span."""
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.data_ptr()
+    return start, start + extent * tensor.element_size()
 
 
 def _check_aliasing(op: str, name: str, tensor: torch.Tensor, buffer_name: str, buffer: torch.Tensor,
                     offset: int) -> None:
-    """Reject a tensor that shares memory with ``buffer`` unless it *is* ``buffer[offset:offset+n]``.
+    """Reject a tensor whose memory overlaps ``buffer``'s unless it *is* ``buffer[offset:offset+n]``.
 
     An exact alias is harmless (every element is read and written by the same thread), any other
-    overlap would make the result depend on the order of reads and writes.
+    overlap would make the result depend on the order of reads and writes. Tensors in the same
+    storage whose bytes do not overlap are fine.
     """
-    if tensor.numel() == 0 or tensor.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+    if tensor.numel() == 0 or buffer.numel() == 0:
+        return
+    start, stop = _byte_range(tensor)
+    buffer_start, buffer_stop = _byte_range(buffer)
+    if stop <= buffer_start or start >= buffer_stop:
         return
     exact = (
         tensor.dtype == buffer.dtype
         and tensor.is_contiguous()
         and buffer.is_contiguous()
-        and tensor.data_ptr() == buffer.data_ptr() + offset * buffer.element_size()
+        and start == buffer.data_ptr() + offset * buffer.element_size()
     )
     if not exact:
         raise ValueError(
-            f"{op}: {name} shares memory with {buffer_name} without being exactly "
+            f"{op}: {name} overlaps the memory of {buffer_name} without being exactly "
             f"{buffer_name}[{offset}:{offset + tensor.numel()}]; pass a separate tensor"
         )
 
@@ -205,10 +253,10 @@ def validate_flatten(
     out: torch.Tensor,
     scale: float,
     numels: Sequence[int] | None,
-) -> tuple[list[int], list[int], float]:
-    """Check :func:`flashfsdp.kernels.flatten`'s arguments; return ``(offsets, numels, scale)``.
+) -> tuple[list[int], ScannedItems, float]:
+    """Check :func:`flashfsdp.kernels.flatten`'s arguments; return ``(offsets, items, scale)``.
 
-    ``numels`` comes back filled in: ``t.numel()`` for a tensor, the caller's value (or 0 when the
+    ``items.sizes`` is filled in: ``t.numel()`` for a tensor, the caller's value (or 0 when the
     caller gave no ``numels``) for a ``None`` entry.
     """
     op = "flatten"
@@ -221,15 +269,15 @@ def validate_flatten(
         numels = _as_int_list(op, "numels", numels)
         if len(numels) != len(tensors):
             raise ValueError(f"{op}: got {len(tensors)} tensors but {len(numels)} numels")
-    sizes = _item_sizes(op, "tensors", tensors, offsets, "out", out, numels, allow_none=True)
-    check_ranges(op, "tensors", offsets, sizes, "out", out.numel())
-    return offsets, sizes, scale
+    items = _scan_items(op, "tensors", tensors, offsets, "out", out, numels, allow_none=True)
+    check_ranges(op, "tensors", offsets, items.sizes, "out", out.numel())
+    return offsets, items, scale
 
 
 def validate_unflatten(
     flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]
-) -> tuple[list[int], list[int]]:
-    """Check :func:`flashfsdp.kernels.unflatten`'s arguments; return ``(offsets, numels)``.
+) -> tuple[list[int], ScannedItems]:
+    """Check :func:`flashfsdp.kernels.unflatten`'s arguments; return ``(offsets, items)``.
 
     Unlike ``flatten``'s ranges, ``unflatten``'s source ranges may overlap (reading one element into
     two outputs is well defined); they must lie inside ``flat``.
@@ -239,9 +287,9 @@ def validate_unflatten(
     offsets = _as_int_list(op, "offsets", offsets)
     if len(offsets) != len(outs):
         raise ValueError(f"{op}: got {len(outs)} outs but {len(offsets)} offsets")
-    sizes = _item_sizes(op, "outs", outs, offsets, "flat", flat)
-    check_ranges(op, "outs", offsets, sizes, "flat", flat.numel(), disjoint=False)
-    return offsets, sizes
+    items = _scan_items(op, "outs", outs, offsets, "flat", flat)
+    check_ranges(op, "outs", offsets, items.sizes, "flat", flat.numel(), disjoint=False)
+    return offsets, items
 
 
 def validate_accumulate_grad_shard(src: torch.Tensor, dst: torch.Tensor, scale: float) -> float:

@@ -59,7 +59,9 @@ CASES = [
     ("flatten-out-not-a-tensor", "flatten", lambda d: (([f32(2, device=d)], [0], [0.0] * 4), {}),
      TypeError, r"flatten: out must be a torch.Tensor, got list"),
     ("flatten-partial-alias", "flatten", lambda d: (lambda out: (([out[1:3]], [2], out), {}))(f32(8, device=d)),
-     ValueError, r"flatten: tensors\[0\] shares memory with out without being exactly out\[2:4\]"),
+     ValueError, r"flatten: tensors\[0\] overlaps the memory of out without being exactly out\[2:4\]"),
+    ("flatten-strided-alias", "flatten", lambda d: (lambda buf: (([buf[8:20].view(3, 4).t()], [0], buf[:12]), {}))(f32(24, device=d)),
+     ValueError, r"flatten: tensors\[0\] overlaps the memory of out without being exactly out\[0:12\]"),
     ("unflatten-past-end", "unflatten", lambda d: ((f32(10, device=d), [0, 8], [f32(2, device=d), f32(3, device=d)]), {}),
      ValueError, r"unflatten: offsets\[1\]=8 with outs\[1\] of 3 elements ends at 11, past flat.numel\(\)=10"),
     ("unflatten-offset-near-int64-max", "unflatten", lambda d: ((f32(10, device=d), [2**63 - 1], [f32(2, device=d)]), {}),
@@ -79,7 +81,7 @@ CASES = [
     ("unflatten-other-device", "unflatten", lambda d: ((f32(8, device=d), [0], [f32(2, device="meta")]), {}),
      ValueError, r"unflatten: outs\[0\] is on meta but flat is on"),
     ("unflatten-partial-alias", "unflatten", lambda d: (lambda flat: ((flat, [0], [flat[1:3]]), {}))(f32(8, device=d)),
-     ValueError, r"unflatten: outs\[0\] shares memory with flat"),
+     ValueError, r"unflatten: outs\[0\] overlaps the memory of flat"),
     ("accumulate-numel-mismatch", "accumulate_grad_shard", lambda d: ((f32(4, 3, device=d), f32(10, device=d)), {}),
      ValueError, r"accumulate_grad_shard: src has 12 elements \(shape \(4, 3\)\) but dst has 10"),
     ("accumulate-int-src", "accumulate_grad_shard", lambda d: ((torch.zeros(3, dtype=torch.int32, device=d), f32(3, device=d)), {}),
@@ -89,7 +91,7 @@ CASES = [
     ("accumulate-other-device", "accumulate_grad_shard", lambda d: ((f32(3, device="meta"), f32(3, device=d)), {}),
      ValueError, r"accumulate_grad_shard: src is on meta but dst is on"),
     ("accumulate-partial-alias", "accumulate_grad_shard", lambda d: (lambda b: ((b[1:4], b[0:3]), {}))(f32(8, device=d)),
-     ValueError, r"accumulate_grad_shard: src shares memory with dst"),
+     ValueError, r"accumulate_grad_shard: src overlaps the memory of dst"),
     ("accumulate-scale-infinite-in-fp32", "accumulate_grad_shard", lambda d: ((f32(3, device=d), f32(3, device=d)), {"scale": -4e38}),
      ValueError, r"accumulate_grad_shard: scale must be finite in float32"),
     ("accumulate-inf-scale", "accumulate_grad_shard", lambda d: ((f32(3, device=d), f32(3, device=d)), {"scale": float("inf")}),
@@ -124,3 +126,15 @@ def test_ops_stay_outside_autograd(ops, device):
     y = f32(5, device=device)
     ops.unflatten(out, [1], [y])
     assert not y.requires_grad and torch.equal(y.cpu(), (x.detach() * 2).cpu())
+
+
+def test_same_storage_without_overlap_is_fine(ops, device):
+    """Inputs and outputs may live in one storage as long as their bytes do not overlap."""
+    buf = torch.arange(80, dtype=torch.float32, device=device)
+    ops.flatten([buf[60:70]], [2], buf[:50])
+    assert torch.equal(buf[2:12].cpu(), torch.arange(60, 70, dtype=torch.float32))
+    assert int(torch.count_nonzero(buf[:2])) == 0 and int(torch.count_nonzero(buf[12:50])) == 0
+    ops.unflatten(buf[:10], [0], [buf[70:80]])
+    assert torch.equal(buf[70:80].cpu(), buf[:10].cpu())
+    ops.accumulate_grad_shard(buf[50:53], buf[53:56], accumulate=False)
+    assert torch.equal(buf[53:56].cpu(), buf[50:53].cpu())
