@@ -14,9 +14,19 @@ checkpoint directory::
 Every rank writes into the hidden sibling ``.<name>.tmp``; when all have finished (DCP gathers
 every rank's write result before writing ``.metadata``), rank 0 writes ``extra.pt`` and then the
 marker, every rank checks in (an all-gather of errors doubles as the barrier), and rank 0 renames
-the directory into place (an older directory of the same name is moved aside first and deleted
+the directory into place (an older checkpoint of the same name is moved aside first and deleted
 after). A crash before the rename leaves only the hidden temporary directory, which ``latest``
-ignores and the next save of that name removes; the previous checkpoints stay intact.
+ignores and the next save of that name removes; the previous checkpoints stay intact. Only a
+flashfsdp checkpoint (a directory holding the marker) or an empty directory is ever replaced:
+``save`` refuses any other file or directory at ``path`` before writing anything.
+
+[Note: load is all-or-nothing up to the shard files]
+``load`` reads and checks everything small first, on every rank: the marker, DCP's ``.metadata``
+(unpickled), that every shard file it names exists and is long enough, ``extra.pt`` (unpickled),
+and every model and optimizer entry's name and shape against the checkpoint. Only then does DCP
+read the shard files straight into the model's sharded storage and the optimizer's state. So any
+error but a failure while reading the shard files leaves the model and optimizer as they were
+(an optimizer without state, whose state DSD creates to describe it, is emptied again).
 """
 
 from __future__ import annotations
@@ -122,14 +132,36 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _refuse_to_replace(path: str) -> None:
+    """Raise FileExistsError unless ``path`` is free, a flashfsdp checkpoint or an empty directory."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path):
+        what = "a symbolic link"
+    elif not os.path.isdir(path):
+        what = "a file"
+    elif os.path.isfile(os.path.join(path, MARKER)) or not os.listdir(path):
+        return
+    else:
+        what = f"a directory that is not a flashfsdp checkpoint (it has no {MARKER})"
+    raise FileExistsError(f"save: {path} exists and is {what}; save replaces only a flashfsdp checkpoint, so "
+                          f"nothing was written: choose another path (e.g. <out>/checkpoints/step_<N>) or move it away")
+
+
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          step: int, extra: dict | None = None) -> str:
     """Save a sharded checkpoint of ``model`` (and ``optimizer``) into the directory ``path``, atomically.
 
     Collective: every rank calls it with the same ``path`` on a file system all ranks share. Each
     rank writes only its own pieces (DCP); see [Note: atomic save] for how a crash leaves the
-    earlier checkpoints intact. An existing checkpoint at ``path`` is replaced. Works at W = 1
-    without torch.distributed initialised.
+    earlier checkpoints intact. Works at W = 1 without torch.distributed initialised.
+
+    What is replaced: a flashfsdp checkpoint already at ``path`` (a directory holding
+    :data:`MARKER`; the whole directory, files added to it by hand included) or an empty
+    directory, only once the new checkpoint is complete. What is refused: anything else at
+    ``path`` (a file, a symbolic link, a directory without the marker such as a run directory with
+    logs): ``FileExistsError`` before anything is written. Hidden siblings ``.<name>.tmp`` /
+    ``.<name>.old`` are this function's own scratch and are removed.
 
     Args:
         path: the checkpoint directory (created; its parent too), e.g. ``<out>/checkpoints/step_<N>``.
@@ -144,9 +176,13 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
     Raises:
         TypeError / ValueError: a bad argument (the message names it); nothing is written then.
+        FileExistsError: ``path`` holds something that is not a flashfsdp checkpoint (named);
+            nothing is written (raised on every rank).
         RuntimeError: writing failed on some rank (raised on every rank, naming the failed ranks and
             their errors, DCP's ``CheckpointException`` as the cause); ``path`` is untouched.
-        OSError: rank 0 could not create, finish or rename the directory (raised on every rank).
+        OSError: rank 0 could not create, finish or rename the directory (raised on every rank);
+            ``path`` holds the old checkpoint or, if the failure came between the two renames, the
+            old one is in ``.<name>.old``.
     """
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
@@ -162,6 +198,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     error = None
     if rank == 0:
         try:
+            _refuse_to_replace(path)
             os.makedirs(parent, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
@@ -184,6 +221,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             marker = {"format": FORMAT, "version": VERSION, "step": step, "world_size": global_world_size(),
                       "has_optimizer": optimizer is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             _write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
+            _refuse_to_replace(path)  # again: something may have appeared there meanwhile
             if os.path.exists(path):
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(path, old)
@@ -220,9 +258,19 @@ def _check_files(path: str):
     """DCP's metadata of the checkpoint at ``path``, after checking that every file it names exists."""
     from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
 
-    if not os.path.isfile(os.path.join(path, ".metadata")):
+    from torch.distributed.checkpoint.metadata import Metadata  # noqa: PLC0415
+
+    metadata_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(metadata_file):
         raise FileNotFoundError(f"load: checkpoint {path} is missing its DCP metadata file .metadata")
-    metadata = FileSystemReader(path).read_metadata()
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - unpickling garbage raises anything
+        raise ValueError(f"load: checkpoint {path} has a corrupt DCP metadata file {metadata_file} "
+                         f"({_short(exc)}); load another checkpoint (latest() finds the newest complete one)") from None
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"load: checkpoint {path} has a corrupt DCP metadata file {metadata_file} (it holds a "
+                         f"{type(metadata).__name__}, not DCP Metadata)")
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -237,60 +285,113 @@ def _check_files(path: str):
     return metadata
 
 
-def _check_against(path: str, metadata, state: dict[str, Any]) -> None:
+def _short(exc: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters) of an exception."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
+
+
+def _read_extra(path: str) -> dict:
+    """The ``extra`` dict stored in the checkpoint's ``extra.pt``; ValueError naming the file if corrupt."""
+    file = os.path.join(path, EXTRA)
+    try:
+        data = torch.load(file, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling garbage raises anything
+        raise ValueError(f"load: checkpoint {path} has a corrupt {EXTRA} ({file}: {_short(exc)}); nothing was "
+                         f"loaded: load another checkpoint (latest() finds the newest complete one)") from None
+    if not isinstance(data, dict) or not isinstance(data.get("extra"), dict):
+        raise ValueError(f"load: checkpoint {path} has a corrupt {EXTRA} ({file} does not hold "
+                         f"{{'extra': dict}} as save writes it); nothing was loaded")
+    return data["extra"]
+
+
+def _describe(key: str, kinds: dict[str, str]) -> str:
+    """What the flattened DCP key ``key`` is, in words (``kinds``: model key -> "parameter"/"buffer")."""
+    if key.startswith("model."):
+        name = key[len("model."):]
+        return f"{kinds.get(name, 'model entry')} '{name}'"
+    if key.startswith("optim.state."):
+        name, _, entry = key[len("optim.state."):].rpartition(".")
+        return f"optimizer state '{entry}' of parameter '{name}'"
+    if key.startswith("optim.param_groups."):
+        group, _, hyper = key[len("optim.param_groups."):].partition(".")
+        return f"optimizer hyperparameter '{hyper}' of param group {group}"
+    return f"entry '{key}'"
+
+
+def _why_missing(key: str, saved) -> str:
+    if key.startswith("model."):
+        return "it was saved from another model"
+    if key.startswith("optim.param_groups."):
+        groups = {k.split(".")[2] for k in saved if k.startswith("optim.param_groups.")}
+        return (f"it was saved with another optimizer type or another number of param groups (the checkpoint "
+                f"has {len(groups)})")
+    return "it was saved with another optimizer type or from another model"
+
+
+def _check_against(path: str, metadata, state: dict[str, Any], model: nn.Module) -> None:
     """Every tensor the model/optimizer expects is in the checkpoint with the same shape, and back."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: PLC0415
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
 
+    kinds = {name: "buffer" for name, _ in model.named_buffers(remove_duplicate=False)}
+    kinds.update((name, "parameter") for name, _ in model.named_parameters(remove_duplicate=False))
     saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict(state)
     for key, value in flat.items():
-        what = f"parameter '{key[len('model.'):]}'" if key.startswith("model.") else f"optimizer state '{key}'"
+        what = _describe(key, kinds)
         if key not in saved:
-            raise ValueError(f"load: checkpoint {path} has no entry for {what}; it was saved from another model "
-                             f"or optimizer")
+            raise ValueError(f"load: checkpoint {path} has no entry for {what}; {_why_missing(key, saved)}")
         md = saved[key]
         if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and md.size != value.shape:
             raise ValueError(f"load: {what} has shape {tuple(md.size)} in checkpoint {path} but "
                              f"{tuple(value.shape)} in the model; load it into the model it was saved from")
-    extra_keys = sorted(k for k in saved if k.startswith("model.") and k not in flat)
+    extra_keys = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k not in flat)
     if extra_keys:
-        raise ValueError(f"load: checkpoint {path} has parameter(s) {[k[6:] for k in extra_keys[:5]]} that the "
-                         f"model does not have; load it into the model it was saved from")
+        raise ValueError(f"load: checkpoint {path} has model key(s) {extra_keys[:5]}"
+                         f"{' ...' if len(extra_keys) > 5 else ''} (parameters or buffers) that the model does "
+                         f"not have; load it into the model it was saved from")
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``), at any world size.
 
     Collective. The checkpoint is checked first on every rank (marker, DCP metadata, every shard
-    file, every parameter's name and shape), then DCP reads each rank's pieces straight into the
-    sharded parameters and optimizer state (resharding as needed), and ``model.load_state_dict`` /
-    :func:`~flashfsdp.bindings.state_dict.set_optimizer_state_dict` finish the load (optimizer
-    hyperparameters such as ``lr`` come from the checkpoint). Works at W = 1 without
-    torch.distributed initialised.
+    file, ``extra.pt``, every parameter's name and shape), then DCP reads each rank's pieces straight
+    into the sharded parameters and optimizer state (resharding as needed), and
+    ``model.load_state_dict`` / :func:`~flashfsdp.bindings.state_dict.set_optimizer_state_dict`
+    finish the load (optimizer hyperparameters such as ``lr`` and the param groups come from the
+    checkpoint). Works at W = 1 without torch.distributed initialised.
 
     Args:
         path: a checkpoint directory written by :func:`save`.
         model: the same model architecture, fully_shard'ed at any world size (or plain).
-        optimizer: the same optimizer type over ``model``'s parameters, or None to load the model only.
+        optimizer: the same optimizer type (and param groups) over ``model``'s parameters, or None to
+            load the model only.
 
     Returns:
         ``{"step": int, "extra": dict}`` as given to :func:`save`.
 
     Raises:
+        (every error is raised on every rank)
         FileNotFoundError: ``path`` does not exist, or a file of the checkpoint is missing (named).
-        ValueError: ``path`` is not a complete checkpoint (no marker: the save did not finish), it has
-            no optimizer state but ``optimizer`` was given, or a parameter is missing or has another
-            shape (named).
+        ValueError: ``path`` is not a complete checkpoint (no marker: the save did not finish); its
+            marker, ``.metadata`` or ``extra.pt`` is corrupt (the file is named); a shard file is
+            truncated; it has no optimizer state but ``optimizer`` was given; a parameter, buffer,
+            optimizer state or hyperparameter is missing or has another shape (named).
         TypeError: a bad argument type.
-        RuntimeError: DCP failed to read on some rank (names the ranks and errors).
+        RuntimeError: DCP failed to read a shard file on some rank (names the ranks and errors).
+
+        On every error but the RuntimeError the model and optimizer are unchanged (see
+        [Note: load is all-or-nothing up to the shard files]). After the RuntimeError they are
+        partly loaded: load a good checkpoint into them before training on.
     """
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
     path = _check_path(path, "load")
     _check_model_optimizer(model, optimizer, "load")
-    error = marker = metadata = None
-    try:
+    error = marker = metadata = extra = None
+    try:  # every small file, before anything is touched
         if not os.path.exists(path):
             raise FileNotFoundError(f"load: checkpoint {path} does not exist")
         if not os.path.isdir(path):
@@ -299,25 +400,32 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         if optimizer is not None and not marker.get("has_optimizer", False):
             raise ValueError(f"load: checkpoint {path} has no optimizer state; pass optimizer=None")
         metadata = _check_files(path)
+        extra = _read_extra(path)
     except (FileNotFoundError, ValueError) as exc:
         error = exc
     agree(error)
-    state = _state(model, optimizer)
+    fresh = optimizer is not None and not optimizer.state
+    state = _state(model, optimizer)  # DSD gives a fresh optimizer its (zero) state here
     error = None
     try:
-        _check_against(path, metadata, state)
+        _check_against(path, metadata, state, model)
     except ValueError as exc:
         error = exc
-    agree(error)
+    try:
+        agree(error)
+    except ValueError:
+        if fresh:
+            optimizer.state.clear()  # as it was: without state
+        raise
     try:
         with _single_process_quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=global_world_size() == 1)
     except CheckpointException as exc:
-        raise RuntimeError(f"load: reading checkpoint {path} failed on rank(s) {_failures(exc)}") from exc
+        raise RuntimeError(f"load: reading checkpoint {path} failed on rank(s) {_failures(exc)}; the model "
+                           f"and optimizer are partly loaded") from exc
     model.load_state_dict(state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    extra = torch.load(os.path.join(path, EXTRA), weights_only=True)["extra"]
     return {"step": marker["step"], "extra": extra}
 
 
