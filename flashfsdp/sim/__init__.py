@@ -13,6 +13,7 @@ compute stream and two communication streams and predicts one step. Times are se
 8B and 70B models over W and link speeds.
 """
 
+from .contention import Contention, contention_rates, fit_contention
 from .link import LINKS, Link, fit_alpha_beta, fit_link, get_link, ring_collective_s
 from .model import (
     LLAMA3_70B,
@@ -28,6 +29,7 @@ from .model import (
 from .simulate import SETTINGS, Prediction, Setting, Span, compare_settings, prefetch_ahead, simulate
 
 __all__ = [
+    "Contention", "contention_rates", "fit_contention",
     "LINKS", "Link", "fit_alpha_beta", "fit_link", "get_link", "ring_collective_s",
     "LLAMA3_8B", "LLAMA3_70B", "LlamaShape", "Model", "Unit", "llama3_8b", "llama3_70b", "llama_model",
     "model_from_measurements",

@@ -16,7 +16,11 @@ A wait blocks the compute stream until the collective ends; that blocked time is
 communication. ``shared_comm_stream=True`` puts both collectives on one FIFO (gloo on CPU: one
 worker runs every collective in issue order). ``share_link_bandwidth=True`` instead keeps two streams
 but lets an all-gather and a reduce-scatter that overlap split the link's bandwidth evenly (one NIC
-per rank), which the default (each collective at full bandwidth) does not.
+per rank), which the default (each collective at full bandwidth) does not. ``contention`` (a
+:class:`~flashfsdp.sim.contention.Contention`) makes compute and an in-flight collective slow each
+other down, as they do on a CPU host where gloo's thread and the compute thread share the cores:
+without it, overlapped communication is free for compute, which on a GPU is close to true and on
+2 CPU cores for 2 ranks is not.
 
 [Note: the step the simulator replays]
 Per step, mirroring ``FSDPState`` (``_pre_forward``, ``_post_forward``, ``_pre_backward``,
@@ -68,6 +72,7 @@ from typing import Iterable, Mapping, Sequence
 
 from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
 
+from .contention import Contention
 from .link import Link, check_world_size, get_link
 from .model import Model, Unit
 
@@ -100,6 +105,9 @@ class Prediction:
         all_gather_s: sum of the step's all-gather costs (ring model, full bandwidth).
         reduce_scatter_s: sum of the step's reduce-scatter costs.
         all_gathers: all-gathers issued in the step.
+        comm_span_s: the step's collectives from issue to completion, summed (queueing behind earlier
+            collectives and host contention included): what a trace's all-gather and reduce-scatter
+            spans add up to when they end at completion.
         peak_bytes: peak memory per rank (see the module docstring).
         sharded_bytes: the constant part of it, the sharded state.
         timeline: the step's spans when ``record_timeline`` was set.
@@ -115,6 +123,7 @@ class Prediction:
     all_gather_s: float
     reduce_scatter_s: float
     all_gathers: int
+    comm_span_s: float
     peak_bytes: int
     sharded_bytes: int
     timeline: list[Span] = field(default_factory=list, repr=False)
@@ -142,7 +151,8 @@ class Prediction:
 
 @dataclass(eq=False)
 class _Op:
-    """A collective on a side stream: phases of (seconds left, uses the link)."""
+    """A collective on a side stream: phases of [seconds left, uses the link, is the collective]
+    (a GPU copy-in phase is not: host contention does not slow it)."""
 
     stream: str
     kind: str
@@ -154,68 +164,93 @@ class _Op:
 
 
 class _CommEngine:
-    """FIFO side streams advanced as a fluid: each head op progresses at rate 1, or, with link
-    sharing, at 1/k while k heads are in a link-using phase. Ops are issued in time order and an op's
-    end is resolved only when the compute stream waits on it, so no later op can change it."""
+    """FIFO side streams advanced as a fluid, in lockstep with the compute stream.
 
-    def __init__(self, share_link: bool):
+    Each stream's head op progresses at rate 1; with link sharing, at 1/k while k heads are in a
+    link-using phase; with host contention, at ``comm_rate`` while the compute stream computes (and
+    the compute stream at ``compute_rate`` while a collective is in flight). The runtime advances
+    time only through :meth:`compute` (the compute stream busy) and :meth:`finish` /
+    :meth:`started` (the compute stream blocked), so ``now`` is always the compute stream's time.
+    """
+
+    def __init__(self, share_link: bool, contention: Contention | None):
         self.share_link = share_link
+        self.contention = contention
         self.queues: dict[str, collections.deque] = {}
         self.now = 0.0
 
     def issue(self, op: _Op) -> None:
-        self._run(until_time=op.issue)
-        self.queues.setdefault(op.stream, collections.deque()).append(op)
+        """Enqueue ``op`` (issued now) on its stream."""
+        queue = self.queues.setdefault(op.stream, collections.deque())
+        queue.append(op)
+        if len(queue) == 1:
+            op.start = self.now
+        self._retire()
+
+    def compute(self, seconds: float) -> float:
+        """Run ``seconds`` of compute on the compute stream from now; returns when it ends."""
+        work = seconds
+        while work > _EPS * max(1.0, self.now):
+            work -= self._step(work)
+        return self.now
 
     def finish(self, op: _Op) -> float:
-        """When ``op`` ends (running the streams until it does; no op issued later can delay it)."""
-        self._run(until_op=op)
+        """When ``op`` ends, the compute stream blocked until then (no op issued later can delay it)."""
+        while op.end is None:
+            self._step(None)
         return op.end
 
     def started(self, op: _Op) -> float:
-        """When ``op`` starts (running the streams until it does)."""
-        self._run(until_op=op, until_start=True)
+        """When ``op`` starts, the compute stream blocked until then."""
+        while op.start is None:
+            self._step(None)
         return op.start
 
     def drain(self) -> None:
-        """Run every stream empty."""
-        for queue in self.queues.values():
-            if queue:
-                self._run(until_op=queue[-1])
+        """Run every stream empty (the compute stream idle)."""
+        while any(self.queues.values()):
+            self._step(None)
 
-    def _run(self, until_time: float | None = None, until_op: _Op | None = None, until_start: bool = False) -> None:
-        while True:
-            heads = [q[0] for q in self.queues.values() if q]
-            active = [h for h in heads if h.issue <= self.now]
-            for h in active:
-                if h.start is None:
-                    h.start = self.now
-            if until_op is not None and (until_op.start if until_start else until_op.end) is not None:
-                return
-            if until_time is not None and self.now >= until_time:
-                return
-            horizon = min([h.issue for h in heads if h.issue > self.now], default=math.inf)
-            if until_time is not None:
-                horizon = min(horizon, until_time)
-            if not active:
-                if horizon == math.inf:
-                    raise RuntimeError("overlap simulator: waiting for a collective that was never issued")
-                self.now = horizon
-                continue
-            on_link = sum(1 for h in active if h.phases and h.phases[0][1])
-            rates = [1.0 / on_link if self.share_link and on_link > 1 and h.phases and h.phases[0][1] else 1.0
-                     for h in active]
-            dt = min([h.phases[0][0] / r for h, r in zip(active, rates) if h.phases] + [horizon - self.now])
-            for h, r in zip(active, rates):
-                if h.phases:
-                    h.phases[0][0] -= dt * r
-            self.now += dt
-            for h in active:
-                while h.phases and h.phases[0][0] <= _EPS * max(1.0, self.now):
-                    h.phases.pop(0)
-                if not h.phases:
-                    h.end = self.now
-                    self.queues[h.stream].popleft()
+    def _step(self, work: float | None) -> float:
+        """Advance to the next event: a phase ends, or (``work`` given: the compute stream busy) the
+        compute ends. Returns the compute seconds done."""
+        heads = [q[0] for q in self.queues.values() if q]
+        on_link = sum(1 for h in heads if h.phases[0][1])
+        computing = work is not None
+        contended = [h for h in heads if h.phases[0][2]] if computing and self.contention is not None else []
+        rates = []
+        for h in heads:
+            rate = 1.0 / on_link if self.share_link and on_link > 1 and h.phases[0][1] else 1.0
+            if h in contended:
+                rate *= self.contention.rates(h.kind)[1]
+            rates.append(rate)
+        compute_rate = min((self.contention.rates(h.kind)[0] for h in contended), default=1.0)
+        times = [h.phases[0][0] / r for h, r in zip(heads, rates)]
+        if computing:
+            times.append(work / compute_rate)
+        if not times:
+            raise RuntimeError("overlap simulator: waiting for a collective that was never issued")
+        dt = min(times)
+        for h, r in zip(heads, rates):
+            h.phases[0][0] -= dt * r
+        self.now += dt
+        self._retire()
+        return dt * compute_rate
+
+    def _retire(self) -> None:
+        """Drop finished phases; end finished ops and start the next op of their stream."""
+        tol = _EPS * max(1.0, self.now)
+        for queue in self.queues.values():
+            while queue:
+                head = queue[0]
+                while head.phases and head.phases[0][0] <= tol:
+                    head.phases.pop(0)
+                if head.phases:
+                    break
+                head.end = self.now
+                queue.popleft()
+                if queue:
+                    queue[0].start = self.now
 
 
 # ------------------------------------------------------------------------------------- runtime
@@ -235,7 +270,8 @@ class _Runtime:
     def __init__(self, model: Model, world_size: int, link: Link, policy: PrefetchPolicy,
                  reshard_after_forward: bool, forward_prefetch: Mapping[str, Sequence[str]] | None,
                  backward_prefetch: Mapping[str, Sequence[str]] | None, shared_comm_stream: bool,
-                 share_link_bandwidth: bool, host_blocking: bool, copy_bandwidth: float | None):
+                 share_link_bandwidth: bool, host_blocking: bool, copy_bandwidth: float | None,
+                 contention: Contention | None):
         self.model, self.W, self.link, self.policy = model, world_size, link, policy
         self.reshard_after_forward = reshard_after_forward
         self.fwd_lists = dict(forward_prefetch or {})
@@ -243,7 +279,7 @@ class _Runtime:
         self.shared = shared_comm_stream
         self.host_blocking = host_blocking
         self.copy_bandwidth = copy_bandwidth
-        self.engine = _CommEngine(share_link_bandwidth)
+        self.engine = _CommEngine(share_link_bandwidth, contention)
         self.order = ExecutionOrder()
         self.states = {u.name: _UnitState(u) for u in model.units}
         self.prefetched: set[str] = set()
@@ -276,8 +312,9 @@ class _Runtime:
 
     def _compute(self, seconds: float, kind: str, unit: str) -> None:
         if seconds > 0:
-            self.spans.append(Span("compute", kind, unit, self.t, self.t + seconds))
-            self.t += seconds
+            end = self.engine.compute(seconds)  # longer than ``seconds`` under host contention
+            self.spans.append(Span("compute", kind, unit, self.t, end))
+            self.t = end
 
     def _wait(self, op: _Op, until: str = "end") -> None:
         end = self.engine.finish(op) if until == "end" else self.engine.started(op)
@@ -304,11 +341,11 @@ class _Runtime:
             self._compute(copy_s, "copy_in", name)
             self.host_copy += copy_s
         elif copy_s:
-            phases.append([copy_s, False])
+            phases.append([copy_s, False, False])
         st.unsharded_mem = self._alloc(nbytes)
         cost = self.link.all_gather_s(nbytes, self.W)
         latency = min(cost, self.link.latency_s(self.W, "all_gather"))
-        phases += [[latency, False], [cost - latency, True]]
+        phases += [[latency, False, True], [cost - latency, True, True]]
         op = _Op(self._stream("all_gather"), "all_gather", name, self.t, phases)
         self.engine.issue(op)
         self.ops.append(op)
@@ -356,7 +393,7 @@ class _Runtime:
         cost = self.link.reduce_scatter_s(nbytes, self.W)
         latency = min(cost, self.link.latency_s(self.W, "reduce_scatter"))
         op = _Op(self._stream("reduce_scatter"), "reduce_scatter", name, self.t,
-                 [[latency, False], [cost - latency, True]])
+                 [[latency, False, True], [cost - latency, True, True]])
         self.engine.issue(op)
         self.ops.append(op)
         self.rs_cost += cost
@@ -456,8 +493,8 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
              reshard_after_forward: bool = True, forward_prefetch: Mapping[str, Sequence[str]] | None = None,
              backward_prefetch: Mapping[str, Sequence[str]] | None = None, shared_comm_stream: bool = False,
              share_link_bandwidth: bool = False, host_blocking: bool = False,
-             copy_bandwidth: float | None = None, steps: int = 2, record_timeline: bool = False,
-             label: str = "") -> Prediction:
+             copy_bandwidth: float | None = None, contention: Contention | None = None, steps: int = 2,
+             record_timeline: bool = False, label: str = "") -> Prediction:
     """Predict one training step of ``model`` on ``world_size`` ranks (see the module docstring).
 
     Args:
@@ -475,6 +512,9 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
             them), and copy-in runs on the compute thread.
         copy_bandwidth: bytes per second of the copy-in (the shard cast into the unsharded buffer);
             None: free.
+        contention: host contention (:class:`~flashfsdp.sim.contention.Contention`): compute and a
+            collective in flight slow each other down (CPU ranks sharing cores with gloo's thread);
+            None: they do not (GPU streams).
         steps: steps simulated (>= 1); the first records the execution order; the last is reported.
         record_timeline: keep the predicted step's spans in ``Prediction.timeline``.
         label: a label carried into the prediction.
@@ -483,8 +523,9 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
         the last step's :class:`Prediction`.
 
     Raises:
-        ValueError: W < 1, an unknown link name, steps < 1, a bad copy bandwidth, or an explicit
-            prefetch list naming an unknown unit (the message names the argument).
+        ValueError: W < 1, an unknown link name, steps < 1, a bad copy bandwidth, a ``contention``
+            that is not a Contention, or an explicit prefetch list naming an unknown unit (the
+            message names the argument).
     """
     check_world_size(world_size)
     link = get_link(link)
@@ -494,6 +535,8 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if copy_bandwidth is not None and not (isinstance(copy_bandwidth, (int, float)) and copy_bandwidth > 0):
         raise ValueError(f"copy_bandwidth must be > 0 bytes per second or None, got {copy_bandwidth!r}")
+    if contention is not None and not isinstance(contention, Contention):
+        raise ValueError(f"contention must be a flashfsdp.sim.Contention or None, got {type(contention).__name__}")
     names = {u.name for u in model.units}
     for arg, lists in (("forward_prefetch", forward_prefetch), ("backward_prefetch", backward_prefetch)):
         for key, targets in (lists or {}).items():
@@ -502,7 +545,7 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
                 raise ValueError(f"{arg}: unknown unit(s) {unknown}; units are {sorted(names)}")
     runtime = _Runtime(model, world_size, link, policy if policy is not None else PrefetchPolicy(),
                        reshard_after_forward, forward_prefetch, backward_prefetch, shared_comm_stream,
-                       share_link_bandwidth, host_blocking, copy_bandwidth)
+                       share_link_bandwidth, host_blocking, copy_bandwidth, contention)
     for _ in range(steps):
         runtime.step()
     sharded = sum(u.sharded_state_bytes(world_size) for u in model.units)
@@ -510,6 +553,7 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
         world_size=world_size, link=link.name, label=label, step_s=runtime.t - runtime.step_start,
         compute_s=model.compute_s(), exposed_s=runtime.exposed, host_copy_s=runtime.host_copy,
         all_gather_s=runtime.ag_cost, reduce_scatter_s=runtime.rs_cost, all_gathers=runtime.n_ag,
+        comm_span_s=sum(op.end - op.issue for op in runtime.ops),
         peak_bytes=sharded + runtime.peak_step_bytes(), sharded_bytes=sharded,
         timeline=runtime.timeline() if record_timeline else [],
     )

@@ -157,9 +157,19 @@ def test_first_step_has_no_forward_prefetch():
 def test_host_blocking_waits_on_reductions():
     model = _model(bwd=0.001)  # reduce-scatters slower than backward compute
     assert _rs(model.blocks[0]) > model.blocks[0].backward_s
-    gpu = sim.simulate(model, W, LINK)
-    cpu = sim.simulate(model, W, LINK, host_blocking=True)
-    assert cpu.step_s > gpu.step_s
+    gpu = sim.simulate(model, W, LINK, record_timeline=True)
+    cpu = sim.simulate(model, W, LINK, host_blocking=True, record_timeline=True)
+    assert cpu.step_s >= gpu.step_s - 1e-12  # both bound by the reduce-scatter stream at the end
+    # The post-backward of layers.i+1 finishes the reduction issued before it (layers.i+2's): a CPU
+    # host blocks until it ended, a GPU only waits for layers.i+2's pack (the start of its
+    # reduce-scatter); so on a GPU layers.i's backward starts while layers.i+2's reduce-scatter
+    # still runs, on a CPU host only after it.
+    for pred, blocked in ((cpu, True), (gpu, False)):
+        bwd = {s.unit: s for s in pred.timeline if s.kind == "backward"}
+        rs = {s.unit: s for s in pred.timeline if s.kind == "reduce_scatter"}
+        for i in range(len(model.blocks) - 2):
+            starts_after = bwd[f"layers.{i}"].start >= rs[f"layers.{i + 2}"].end - 1e-12
+            assert starts_after == blocked, (blocked, i)
     copy = sim.simulate(model, W, LINK, host_blocking=True, copy_bandwidth=1e9)
     gathered = model.root.unsharded_bytes(W) + 2 * sum(b.unsharded_bytes(W) for b in model.blocks)
     assert copy.host_copy_s == pytest.approx(gathered / W / 1e9)  # this rank's shard, per all-gather
@@ -184,6 +194,85 @@ def test_timeline_accounts_for_the_step():
     assert max(s.end for s in pred.timeline) == pytest.approx(pred.step_s)
     gathers = [s for s in pred.timeline if s.kind == "all_gather"]
     assert all(b.start >= a.end - 1e-12 for a, b in zip(gathers, gathers[1:]))  # one FIFO stream
+
+
+def test_contention_of_one_all_gather_behind_compute():
+    # root_forward_before=1: the root's whole forward runs before layers.0, whose all-gather the
+    # root prefetches (second step): compute and the collective overlap from the same instant.
+    model = _model(root_fwd=0.01, root_forward_before=1.0)
+    g = _ag(model.blocks[0])
+    compute_rate, comm_rate = 0.5, 0.25
+    assert g / comm_rate < model.root.forward_s  # the all-gather ends inside the root's forward
+    contention = sim.Contention(compute_rate, comm_rate)
+    pred = sim.simulate(model, W, LINK, contention=contention, record_timeline=True)
+    root_fwd = next(s for s in pred.timeline if s.kind == "forward" and s.unit == "<root>")
+    ag0 = next(s for s in pred.timeline if s.kind == "all_gather" and s.unit == "layers.0")
+    assert ag0.end - ag0.start == pytest.approx(g / comm_rate)
+    # g / comm_rate seconds at half speed, then the rest at full speed
+    lost = (1 - compute_rate) * g / comm_rate
+    assert root_fwd.end - root_fwd.start == pytest.approx(model.root.forward_s + lost)
+    free = sim.simulate(model, W, LINK)
+    assert pred.step_s > free.step_s
+    assert pred.compute_s == free.compute_s  # pure compute, as given
+    assert pred.comm_s == pytest.approx(free.comm_s)  # stand-alone costs
+    assert pred.comm_span_s > free.comm_span_s
+
+
+def test_contention_rates_of_one_are_no_contention():
+    model = _model(fwd=0.002, bwd=0.003, loss_s=0.001, optimizer_s=0.002)
+    none = sim.Contention(1.0, 1.0)
+    for kwargs in ({}, {"policy": NO_PREFETCH}, {"reshard_after_forward": False},
+                   {"shared_comm_stream": True, "host_blocking": True, "copy_bandwidth": 1e9},
+                   {"share_link_bandwidth": True}):
+        a = sim.simulate(model, W, LINK, **kwargs)
+        b = sim.simulate(model, W, LINK, contention=none, **kwargs)
+        assert b.step_s == pytest.approx(a.step_s) and b.exposed_s == pytest.approx(a.exposed_s)
+        slow = sim.simulate(model, W, LINK, contention=sim.Contention(0.5, 0.5), **kwargs)
+        assert slow.step_s > a.step_s
+
+
+def test_reduce_scatter_contention_is_separate():
+    model = _model(fwd=0.002, bwd=0.02)  # reduce-scatters hide behind backward compute
+    ag_only = sim.Contention(1.0, 1.0, reduce_scatter_compute_rate=0.5, reduce_scatter_comm_rate=1.0)
+    assert ag_only.rates("all_gather") == (1.0, 1.0) and ag_only.rates("reduce_scatter") == (0.5, 1.0)
+    base = sim.simulate(model, W, LINK, record_timeline=True)
+    pred = sim.simulate(model, W, LINK, contention=ag_only, record_timeline=True)
+    # layers.i's reduce-scatter runs during layers.i-1's backward, which loses half of that time
+    # (layers.0's runs with nothing to overlap: the root has no backward after the blocks)
+    overlapped = [s for s in base.timeline if s.kind == "reduce_scatter" and s.unit not in ("<root>", "layers.0")]
+    assert len(overlapped) == len(model.blocks) - 1
+    assert pred.step_s == pytest.approx(base.step_s + 0.5 * sum(s.end - s.start for s in overlapped))
+
+
+def test_contention_rates_recovered_from_overlap_measurements():
+    compute_rate, comm_rate = 0.6, 0.45
+    samples = []
+    for c, m in ((0.01, 0.05), (0.02, 0.06), (0.005, 0.03)):
+        c_ov = c / compute_rate  # the kernel overlapped the collective throughout
+        samples.append((c, c_ov, m, m - comm_rate * c_ov))
+    assert sim.contention_rates(samples) == (pytest.approx(compute_rate), pytest.approx(comm_rate))
+    fitted = sim.fit_contention(samples, [(c, c_ov, m, m - 0.2 * c_ov) for c, c_ov, m, _ in samples])
+    assert fitted.rates("all_gather") == (pytest.approx(compute_rate), pytest.approx(comm_rate))
+    assert fitted.rates("reduce_scatter") == (pytest.approx(compute_rate), pytest.approx(0.2))
+    # noise above 1 is clipped: overlap never speeds anything up
+    assert sim.contention_rates([(0.011, 0.01, 0.05, 0.03)])[0] == 1.0
+
+
+def test_bad_contention():
+    with pytest.raises(ValueError, match="compute_rate"):
+        sim.Contention(0.0, 0.5)
+    with pytest.raises(ValueError, match="comm_rate"):
+        sim.Contention(0.5, 1.5)
+    with pytest.raises(ValueError, match="reduce_scatter_comm_rate"):
+        sim.Contention(0.5, 0.5, reduce_scatter_comm_rate=math.nan)
+    with pytest.raises(ValueError, match="at least one"):
+        sim.contention_rates([])
+    with pytest.raises(ValueError, match="outlasts it"):
+        sim.contention_rates([(0.01, 0.02, 0.005, 0.0)])
+    with pytest.raises(ValueError, match="> 0 seconds"):
+        sim.contention_rates([(-0.01, 0.02, 0.05, 0.01)])
+    with pytest.raises(ValueError, match="contention must be"):
+        sim.simulate(_model(), W, LINK, contention=(0.5, 0.5))
 
 
 # ------------------------------------------------------------------------------------- memory
