@@ -2,7 +2,9 @@
 
 A communicator runs the five collectives the runtime needs. Each returns a :class:`Work`; its
 ``wait()`` makes the caller's current CUDA stream wait for the collective (GPU) or blocks until it
-finished (CPU). Implementations: :class:`LocalCommunicator` (W = 1, no process group),
+finished (CPU). On CPU a Work can also say *when* it finished (:meth:`Work.track_completion`,
+:meth:`Work.completion_time`), which the traces use to time collectives that overlap compute.
+Implementations: :class:`LocalCommunicator` (W = 1, no process group),
 ``ProcessGroupCommunicator`` (any torch.distributed group) and ``NcclCommunicator`` (NCCL through
 CuPy on dedicated CUDA streams).
 """
@@ -10,6 +12,7 @@ CuPy on dedicated CUDA streams).
 from __future__ import annotations
 
 import abc
+import time
 from typing import Literal
 
 import torch
@@ -26,15 +29,34 @@ class Work(abc.ABC):
         """Make the current stream wait for the collective (GPU), or block until it is done (CPU)."""
 
     def is_completed(self) -> bool:
-        """Whether the collective has finished (non-blocking; traces use it to time CPU work)."""
+        """Whether the collective has finished (non-blocking; traces use it to bound CPU work)."""
         return True
+
+    def track_completion(self) -> None:
+        """Start recording when the collective completes, for :meth:`completion_time` (CPU).
+
+        Call it right after issuing, before ``wait()``. The default does nothing (a Work that
+        cannot report its completion; traces then bound it, see ``flashfsdp.runtime.trace``).
+        """
+
+    def completion_time(self) -> float | None:
+        """When the collective completed, in ``time.perf_counter()`` seconds; None if unknown
+        (not tracked, not completed yet, or a Work without a completion signal)."""
+        return None
 
 
 class CompletedWork(Work):
-    """A Work for a collective that finished when it was issued."""
+    """A Work for a collective that finished when it was issued: its completion time is the
+    moment it was created (right after the collective's synchronous copy, if any)."""
+
+    def __init__(self) -> None:
+        self._completed_at = time.perf_counter()
 
     def wait(self) -> None:
         return None
+
+    def completion_time(self) -> float | None:
+        return self._completed_at
 
 
 class Communicator(abc.ABC):

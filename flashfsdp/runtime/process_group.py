@@ -3,9 +3,31 @@
 Gloo on CPU (the multi-rank tests), or NCCL through torch on CUDA (the baseline that
 ``NcclCommunicator`` must match or beat). Every collective is issued with ``async_op=True``, so on
 CPU gloo runs it on its own thread while the caller computes: overlap is real there too.
+
+[Note: completion times]
+``track_completion()`` adds a done-callback to the handle's future (``Work.get_future()``). Gloo
+marks that future completed on its worker thread once the output is written, before ``wait()``
+can return, and runs the callback there: it stamps ``time.perf_counter()`` (the clock of
+``flashfsdp.profile()``; one process-wide monotonic clock, the same in every thread). The stamp
+is a single attribute store made while holding the GIL, read by the waiting thread only after
+``wait()`` returned (or later, when the profile is resolved): no lock is needed. It can be late by
+the time gloo's thread takes to acquire the GIL, which the compute thread releases inside every
+torch op and ``wait()``; at most about ``sys.getswitchinterval()`` (5 ms) while it runs pure Python.
+
+[Note: gloo reduce-scatter]
+torch's gloo backend has no reduce-scatter of its own: ``ProcessGroupGloo::_reduce_scatter_base``
+(torch 2.x, ``reduce_scatter_tensor_coalesced``) clones the input, all-reduces the clone
+asynchronously and returns a ``LambdaWork`` whose ``wait()`` waits for that all-reduce and copies
+this rank's chunk into the output. That LambdaWork has no future and never reports completion
+(``is_completed()`` stays False), so its completion could not be timed. On gloo this module
+therefore issues the very same steps itself (:class:`_AllReduceChunk`): the same clone, the same
+asynchronous all-reduce (whose gloo work has a future), the same copy at ``wait()``. The cost is
+unchanged; the completion becomes measurable.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +46,7 @@ class _TorchWork(Work):
 
     def __init__(self, work: dist.Work | None):
         self._work = work
+        self._completed_at: float | None = None
 
     def wait(self) -> None:
         if self._work is not None:
@@ -32,6 +55,22 @@ class _TorchWork(Work):
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
+
+    def track_completion(self) -> None:
+        """Stamp the completion time from the future's done-callback (see the module Note)."""
+        if self._work is None:
+            return
+        try:
+            future = self._work.get_future()
+        except RuntimeError:  # a backend without futures: the completion stays unknown
+            return
+        future.add_done_callback(self._stamp)
+
+    def _stamp(self, _future) -> None:
+        self._completed_at = time.perf_counter()
+
+    def completion_time(self) -> float | None:
+        return self._completed_at
 
 
 class ProcessGroupCommunicator(Communicator):
@@ -64,6 +103,11 @@ class ProcessGroupCommunicator(Communicator):
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)
         check_collective_sizes("reduce_scatter_tensor", inp, out, self.world_size)
+        if self.backend == "gloo":  # see the Note: gloo reduce-scatter
+            buffer = inp.clone()
+            reduce_op = _OPS["sum"] if op == "avg" else _OPS[op]
+            return _AllReduceChunk(dist.all_reduce(buffer, op=reduce_op, group=self.group, async_op=True),
+                                   buffer, out, self.rank, self.world_size if op == "avg" else 1)
         if op == "avg" and not self._native_avg:
             return _DivideAfter(reduce_scatter_single(out, inp, op=_OPS["sum"], group=self.group, async_op=True), out, self.world_size)
         return _TorchWork(reduce_scatter_single(out, inp, op=_OPS[op], group=self.group, async_op=True))
@@ -80,6 +124,25 @@ class ProcessGroupCommunicator(Communicator):
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+
+class _AllReduceChunk(_TorchWork):
+    """gloo's reduce-scatter: an all-reduce of a copy of the input in flight; ``wait()`` copies this
+    rank's chunk of it into the output, divided by ``divisor`` (W for AVG, emulated with SUM)
+    unless it is 1 (see the Note: gloo reduce-scatter)."""
+
+    def __init__(self, work: dist.Work, buffer: torch.Tensor, out: torch.Tensor, rank: int, divisor: int):
+        super().__init__(work)
+        self._buffer, self._out, self._rank, self._divisor = buffer, out, rank, divisor
+
+    def wait(self) -> None:
+        if self._work is not None:
+            super().wait()
+            n = self._out.numel()
+            self._out.copy_(self._buffer.view(-1)[self._rank * n : (self._rank + 1) * n].view_as(self._out))
+            if self._divisor != 1:
+                self._out.div_(self._divisor)
+            self._buffer = None
 
 
 class _DivideAfter(_TorchWork):

@@ -6,13 +6,28 @@ packing + reduce-scatter + accumulation on a dedicated reduce-scatter stream; th
 collectives overlap through asynchronous gloo work handles instead.
 
 [Note: memory safety without record_stream]
-The unsharded buffer's storage is allocated under the all-gather stream and freed (``resize_(0)``)
-from the CPU as soon as the compute stream has *enqueued* its last use. The caching allocator hands
-a freed block back only to the stream it was allocated on, and every unshard makes the all-gather
-stream wait on the compute stream before it allocates: so the block is reused only after the
-compute stream has passed every use enqueued before the free. Gradient buffers read by the
-reduce-scatter stream are kept referenced until the compute stream waited on the event recorded
-after that read. This is FSDP2's scheme (``_fsdp_collectives.py``) applied to one flat buffer.
+"Buffers freed by event, never by CPU synchronisation" is implemented as follows. The unsharded
+buffer's storage is allocated while the all-gather stream is current, and freed by a plain CPU
+``resize_(0)`` (``FlatParam.free_unsharded``) as soon as the compute stream has *enqueued* its last
+use: the CPU neither waits for the GPU nor records an event for the free itself. Safety rests on
+the CUDA caching allocator's per-stream reuse rule:
+
+1. a freed block goes back to the pool of the stream it was allocated on (the all-gather stream)
+   and is handed out again only to an allocation made on that same stream;
+2. every unshard makes the all-gather stream wait on the compute stream (``use``) before it
+   allocates;
+
+so the next allocation that can receive the block is ordered, on the GPU, after every compute
+kernel enqueued before the free: kernels still reading the old buffer finish before the new
+all-gather writes into it. No ``record_stream`` is needed (it would delay reuse until the CPU
+observes the event, which is worse), and the CPU never blocks. This is FSDP2's scheme
+(``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` and ``_fsdp_param_group.py``: its
+all-gather outputs are allocated on the all-gather stream, freed from the CPU, and the stream
+waits on the compute stream before each all-gather), applied to one flat buffer. Gradient
+buffers read by the reduce-scatter stream are allocated on the *compute* stream, so rule 1 does
+not cover them: they stay referenced (``hold_until_passed``) until the compute stream waited on
+the event recorded after that read. On CPU there is one thread and no stream: freeing is
+immediate and safe because every collective reading or writing the buffer was waited on first.
 """
 
 from __future__ import annotations
@@ -88,10 +103,11 @@ class DeviceStreams:
         """Make the current stream wait for everything enqueued on the reduce-scatter stream."""
         if self.is_cuda:
             prof = trace.active()
-            waited = prof.now() if prof is not None else None
-            torch.cuda.current_stream(self.device).wait_stream(self.reduce_scatter)
-            if prof is not None:
-                prof.add("wait_reduce_scatter", unit_name, "compute", waited, prof.now())
+            with trace.label("wait_reduce_scatter", unit_name):
+                waited = prof.now() if prof is not None else None
+                torch.cuda.current_stream(self.device).wait_stream(self.reduce_scatter)
+                if prof is not None:
+                    prof.add("wait_reduce_scatter", unit_name, "compute", waited, prof.now())
 
 
 _streams: dict[torch.device, DeviceStreams] = {}

@@ -2,38 +2,118 @@
 
 ``with flashfsdp.profile() as prof:`` records, for every unit and step, spans for copy-in,
 all-gather, forward, backward, pack, reduce-scatter and accumulate, each on its stream ("compute",
-"all_gather", "reduce_scatter"), plus **wait** spans: time the compute stream spent waiting on
-communication (the *exposed* communication). Timing source:
+"all_gather", "reduce_scatter"), plus **wait** spans (kinds ``wait_all_gather``,
+``wait_reduce_scatter``) on the compute stream: time the compute stream spent waiting on
+communication, the *exposed* communication.
 
-- CPU: wall clock (``time.perf_counter``). A collective runs on gloo's thread; its span runs from
-  issue to the moment its ``wait()`` returned, and the wait span is the time blocked inside
-  ``wait()``.
-- CUDA: events recorded on the spans' streams, resolved once at the end (one synchronisation, after
-  the profiled region). A wait span is measured on the compute stream between events recorded just
-  before and just after ``wait_event``: the stall the compute stream saw.
+Timing source and accuracy:
 
-Every span is also a ``torch.profiler.record_function("flashfsdp::<kind>::<unit>")`` so it shows in
-torch.profiler traces. ``Profile.export_chrome_trace(path)`` writes Chrome/Perfetto JSON;
-``Profile.summary()`` gives exposed and total communication per unit and in total.
+- **CPU**: wall clock (``time.perf_counter``, one monotonic clock shared by every thread). A
+  collective runs on gloo's worker thread. Its span runs from the moment it was issued to the
+  moment it *completed*, stamped by a done-callback on the gloo work handle's future
+  (``Work.track_completion``; see ``flashfsdp.runtime.process_group``): it does not include the
+  compute that ran between its completion and the consumer's ``wait()``. The stamp can be late by
+  the time gloo's thread needs to take the GIL (microseconds while the compute thread is inside a
+  torch op or a wait, which release it; at most about ``sys.getswitchinterval()`` = 5 ms while it
+  runs pure Python). The span starts at issue, so a collective queued behind another one on the
+  same stream counts its queueing time: that is why :meth:`Profile.summary` counts the *union* of
+  a stream's spans. A collective that completes inside the issuing call (``LocalCommunicator`` at
+  W = 1) ends when that call returns. A Work that cannot report its completion (a third-party
+  ``Communicator``) gets an upper bound, marked ``exact=False``: the start of its wait if it had
+  already completed then, else the end of the wait. A wait span runs from the call to ``wait()``
+  to the collective's completion (the thread's wake-up after the completion is not counted), so
+  every wait lies inside the communication it waited for.
+- **CUDA**: events recorded on the spans' streams, resolved once at the end (one synchronisation,
+  after the profiled region). A collective's span ends at an event recorded on its stream right
+  after it was enqueued there: exact for ``NcclCommunicator``, which enqueues NCCL on that
+  stream. (``ProcessGroupCommunicator`` on NCCL runs the collective on torch's internal NCCL
+  stream, so there the span covers the enqueue only.) A wait span is measured on the compute
+  stream between events recorded just before and just after ``wait_event``: the stall the compute
+  stream saw.
+
+Definitions in :meth:`Profile.summary`: *communication* = the busy time of each communication
+stream (the union of its collectives' spans, so queued collectives are not counted twice), summed
+over the all-gather and reduce-scatter streams; *exposed communication* = the total of the wait
+spans. Hence exposed <= communication, and exposed <= the profiled wall time.
+
+torch.profiler: every phase is labelled ``record_function("flashfsdp::<kind>::<unit>")`` whenever
+a torch profiler is running, with or without ``flashfsdp.profile()``: ``copy_in``,
+``all_gather`` (issuing it), ``wait_all_gather``, ``pack``, ``reduce_scatter`` (issuing it),
+``wait_reduce_scatter``, ``accumulate``, and the module hooks through :func:`labelled`
+(``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``). With no profiler running
+a label costs one check of ``torch._C._autograd._profiler_enabled()``.
+
+``Profile.export_chrome_trace(path)`` writes Chrome/Perfetto JSON; ``Profile.summary()`` gives
+exposed and total communication per unit and in total.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 COMM_KINDS = ("all_gather", "reduce_scatter")
+STREAMS = ("compute", "all_gather", "reduce_scatter")
 _active: "Profile | None" = None
+_NO_LABEL = contextlib.nullcontext()
 
 
+# ------------------------------------------------------------------------------ torch.profiler labels
+def torch_profiler_enabled() -> bool:
+    """Whether a torch profiler (``torch.profiler.profile`` or the autograd profiler) is running."""
+    return torch._C._autograd._profiler_enabled()
+
+
+def label(kind: str, unit: str) -> contextlib.AbstractContextManager:
+    """``record_function("flashfsdp::<kind>::<unit>")`` while a torch profiler runs, else a shared
+    no-op context (one C call: nothing is formatted or allocated)."""
+    if not torch._C._autograd._profiler_enabled():
+        return _NO_LABEL
+    return torch.profiler.record_function(f"flashfsdp::{kind}::{unit}")
+
+
+def _unit_name_of(owner) -> str:
+    return owner.unit.name
+
+
+def labelled(kind: str, unit_name: Callable[[object], str] = _unit_name_of) -> Callable:
+    """Decorator for a method: label each call ``flashfsdp::<kind>::<unit>`` in torch.profiler.
+
+    Args:
+        kind: the phase, e.g. ``"pre_forward"``.
+        unit_name: the unit's name from the method's ``self``; default ``self.unit.name`` (an
+            object holding a ``ShardedUnit`` as ``.unit``, such as the bindings' ``FSDPState``).
+
+    With no torch profiler running the method is called directly after one check.
+    """
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            if not torch._C._autograd._profiler_enabled():
+                return method(self, *args, **kwargs)
+            with torch.profiler.record_function(f"flashfsdp::{kind}::{unit_name(self)}"):
+                return method(self, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+# ------------------------------------------------------------------------------ spans
 @dataclass
 class Span:
-    """One recorded interval. Times in microseconds from the profile's start once resolved."""
+    """One recorded interval. Times in microseconds from the profile's start once resolved.
+
+    ``exact`` is False when ``end`` is only an upper bound (a CPU collective whose Work could not
+    report its completion; see the module docstring).
+    """
 
     kind: str
     unit: str
@@ -41,9 +121,55 @@ class Span:
     step: int
     start: object
     end: object = None
+    exact: bool = True
 
     def duration_us(self) -> float:
         return float(self.end) - float(self.start)
+
+
+class _CpuCompletion:
+    """The end of a CPU collective, read at resolve time (its completion callback has run by then).
+
+    ``works`` completed when the last of them did; without a completion time from every one, the
+    end is bounded: ``waited`` if they had all completed before the wait started, else ``done``.
+    """
+
+    __slots__ = ("works", "waited", "done", "completed_before")
+
+    def __init__(self, works: Sequence, waited: float, done: float, completed_before: bool):
+        self.works, self.waited, self.done, self.completed_before = list(works), waited, done, completed_before
+
+    def seconds(self) -> tuple[float, bool]:
+        """(perf_counter seconds, exact)."""
+        times = [w.completion_time() for w in self.works]
+        if times and all(t is not None for t in times):
+            return max(times), True
+        return (self.waited if self.completed_before else self.done), False
+
+
+class _WaitEnd:
+    """The end of a CPU wait: the collective's completion, clamped into [waited, done]."""
+
+    __slots__ = ("completion",)
+
+    def __init__(self, completion: _CpuCompletion):
+        self.completion = completion
+
+    def seconds(self) -> tuple[float, bool]:
+        t, exact = self.completion.seconds()
+        c = self.completion
+        return min(c.done, max(c.waited, t)), exact
+
+
+def _busy_shares(spans: Sequence[Span]) -> list[tuple[Span, float]]:
+    """Each span with its share (µs) of the union of ``spans``: spans sorted by start, each counts
+    only the part after every earlier span ended. The shares sum to the union's length."""
+    out, cursor = [], float("-inf")
+    for s in sorted(spans, key=lambda s: (float(s.start), float(s.end))):
+        start, end = float(s.start), float(s.end)
+        out.append((s, max(0.0, end - max(start, cursor))))
+        cursor = max(cursor, end)
+    return out
 
 
 @dataclass
@@ -69,7 +195,36 @@ class Profile:
         return time.perf_counter()
 
     def add(self, kind: str, unit: str, stream: str, start, end) -> None:
+        """Append a span of ``kind`` for ``unit`` on ``stream`` (timestamps from :meth:`now`)."""
         self.spans.append(Span(kind, unit, stream, self.step, start, end))
+
+    def add_collective(self, kind: str, unit: str, works: Sequence, issued, issued_end, waited, done,
+                       completed_before: bool, wait_span: bool = True) -> None:
+        """Record a collective and the wait on it.
+
+        Args:
+            kind: ``"all_gather"`` or ``"reduce_scatter"`` (also the span's stream).
+            unit: the unit's name.
+            works: the collective's Work handles (CPU: their completion times end the span; they
+                must have had ``track_completion()`` called right after issue).
+            issued: :meth:`now` just before the collective was issued.
+            issued_end: CUDA: :meth:`now` on the collective's stream right after it was enqueued
+                (its completion on that stream); CPU: ignored.
+            waited, done: :meth:`now` just before and just after the wait.
+            completed_before: whether every Work had completed when the wait started (the bound
+                used when a Work reports no completion time).
+            wait_span: record ``wait_<kind>`` on the compute stream (False where the compute
+                stream did not wait: a CUDA reduce-scatter finished on its own stream).
+        """
+        if self.device_type == "cuda":
+            self.add(kind, unit, kind, issued, issued_end)
+            if wait_span:
+                self.add(f"wait_{kind}", unit, "compute", waited, done)
+            return
+        completion = _CpuCompletion(works, waited, done, completed_before)
+        if wait_span:
+            self.add(f"wait_{kind}", unit, "compute", waited, _WaitEnd(completion))
+        self.add(kind, unit, kind, issued, completion)
 
     def next_step(self) -> None:
         """Mark the start of a new training step (the root's forward calls it)."""
@@ -87,6 +242,8 @@ class Profile:
                 s.end = base.elapsed_time(s.end) * 1e3
         else:
             for s in self.spans:
+                if hasattr(s.end, "seconds"):
+                    s.end, s.exact = s.end.seconds()
                 s.start = (s.start - self._t0) * 1e6
                 s.end = (s.end - self._t0) * 1e6
         self._resolved = True
@@ -110,25 +267,42 @@ class Profile:
         return out
 
     def summary(self) -> dict:
-        """Totals in milliseconds: communication, exposed communication, compute; per unit too.
+        """Totals over the profiled steps in milliseconds; per unit too.
 
-        Returns ``{"steps", "comm_ms", "exposed_ms", "compute_ms", "units": {unit: {...}}}`` where
-        ``comm_ms`` sums all-gather and reduce-scatter spans, ``exposed_ms`` the compute stream's
-        waits on them, ``compute_ms`` forward and backward spans (each unit's own time).
+        Returns ``{"steps", "comm_ms", "comm_streams_ms", "exposed_ms", "compute_ms",
+        "inexact_spans", "units": {unit: {"comm_ms", "exposed_ms", "compute_ms"}}}``:
+
+        - ``comm_ms``: busy time of the communication streams, each stream's union of collective
+          spans, summed over streams (``comm_streams_ms`` per stream). A unit's ``comm_ms`` is its
+          share of that union (each span counts only the time after the same stream's earlier
+          spans ended), so the units' values sum to the total.
+        - ``exposed_ms``: the wait spans, time the compute stream waited on communication;
+          ``exposed_ms <= comm_ms``.
+        - ``compute_ms``: forward and backward spans, each unit's own time (nested units removed).
+        - ``inexact_spans``: collective spans whose end is only an upper bound.
         """
         self.resolve()
         units: dict[str, dict[str, float]] = {}
+
+        def unit(name: str) -> dict[str, float]:
+            return units.setdefault(name, {"comm_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0})
+
+        streams: dict[str, float] = {}
+        for stream in dict.fromkeys(s.stream for s in self.spans if s.kind in COMM_KINDS):
+            shares = _busy_shares([s for s in self.spans if s.kind in COMM_KINDS and s.stream == stream])
+            for s, us in shares:
+                unit(s.unit)["comm_ms"] += us / 1e3
+            streams[stream] = sum(us for _, us in shares) / 1e3
         for s in self.spans:
-            u = units.setdefault(s.unit, {"comm_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0})
-            ms = s.duration_us() / 1e3
-            if s.kind in COMM_KINDS:
-                u["comm_ms"] += ms
-            elif s.kind.startswith("wait_"):
-                u["exposed_ms"] += ms
+            u = unit(s.unit)
+            if s.kind.startswith("wait_"):
+                u["exposed_ms"] += s.duration_us() / 1e3
         for s, ms in self._exclusive_compute_ms():
-            units[s.unit]["compute_ms"] += ms
-        total = {k: sum(u[k] for u in units.values()) for k in ("comm_ms", "exposed_ms", "compute_ms")}
-        return {"steps": self.step, **total, "units": units}
+            unit(s.unit)["compute_ms"] += ms
+        total = {k: sum(u[k] for u in units.values()) for k in ("exposed_ms", "compute_ms")}
+        inexact = sum(1 for s in self.spans if not s.exact and s.kind in COMM_KINDS)
+        return {"steps": self.step, "comm_ms": sum(streams.values()), "comm_streams_ms": streams, **total,
+                "inexact_spans": inexact, "units": units}
 
     def unit_compute_ms(self) -> dict[str, dict[str, float]]:
         """Mean forward and backward milliseconds per unit per step, each unit's own time (nested
@@ -141,18 +315,23 @@ class Profile:
         return {u: {k: sum(v) / steps for k, v in d.items()} for u, d in out.items()}
 
     def export_chrome_trace(self, path: str) -> None:
-        """Write the spans as Chrome/Perfetto trace JSON (one track per stream)."""
+        """Write the spans as Chrome/Perfetto trace JSON: one track (``tid``) per stream, named
+        "<stream> stream"; one complete event (``ph: "X"``) per span named ``<kind>::<unit>``,
+        category ``<kind>``, times in µs, ``args`` = step, unit, stream, exact."""
         self.resolve()
-        tids = {"compute": 0, "all_gather": 1, "reduce_scatter": 2}
-        events = [
+        tids = {name: i for i, name in enumerate(STREAMS)}
+        for s in self.spans:
+            tids.setdefault(s.stream, len(tids))
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"flashfsdp ({self.device_type})"}}]
+        events += [
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": f"{name} stream"}}
             for name, tid in tids.items()
         ]
         for s in self.spans:
             events.append({
                 "name": f"{s.kind}::{s.unit}", "cat": s.kind, "ph": "X", "pid": 0,
-                "tid": tids.get(s.stream, 3), "ts": s.start, "dur": max(s.duration_us(), 0.0),
-                "args": {"step": s.step, "unit": s.unit},
+                "tid": tids[s.stream], "ts": s.start, "dur": max(s.duration_us(), 0.0),
+                "args": {"step": s.step, "unit": s.unit, "stream": s.stream, "exact": s.exact},
             })
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
@@ -173,12 +352,15 @@ def profile(device_type: str | None = None) -> Iterator[Profile]:
 
     Raises:
         RuntimeError: if a profile is already active (profiles do not nest).
+        ValueError: if ``device_type`` is neither "cpu" nor "cuda".
     """
     global _active
     if _active is not None:
         raise RuntimeError("flashfsdp.profile(): a profile is already active; profiles do not nest")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"flashfsdp.profile(): device_type must be 'cpu' or 'cuda', got {device_type!r}")
     prof = Profile(device_type=device_type)
     _active = prof
     try:
@@ -190,12 +372,13 @@ def profile(device_type: str | None = None) -> Iterator[Profile]:
 
 @contextlib.contextmanager
 def span(kind: str, unit: str, stream: str = "compute", cuda_stream=None) -> Iterator[None]:
-    """Record the block as a span of ``kind`` for ``unit`` when a profile is active."""
+    """Label the block ``flashfsdp::<kind>::<unit>`` for torch.profiler (when one runs) and record
+    it as a span of ``kind`` for ``unit`` on ``stream`` (when a flashfsdp profile is active)."""
     prof = _active
-    if prof is None:
-        yield
-        return
-    with torch.profiler.record_function(f"flashfsdp::{kind}::{unit}"):
+    with label(kind, unit):
+        if prof is None:
+            yield
+            return
         start = prof.now(cuda_stream)
         yield
         prof.add(kind, unit, stream, start, prof.now(cuda_stream))

@@ -37,15 +37,6 @@ from .layout import align_elements
 from .streams import DeviceStreams, streams_for
 
 
-def _comm_end(issued_end, completed_before_wait: bool, waited, done):
-    """When a collective ended, for its trace span: the event recorded after it on its stream
-    (GPU); on CPU, the start of the wait if it had already completed then (it ended no later,
-    and gloo gives no completion time), else the end of the wait."""
-    if issued_end is not None:
-        return issued_end
-    return waited if completed_before_wait else done
-
-
 class ShardState(enum.Enum):
     """Whether a unit's parameters are sharded, being gathered, or unsharded."""
 
@@ -95,16 +86,15 @@ class AllGatherResult:
     def wait(self) -> None:
         """Make the current stream wait on the all-gathers (GPU) or block until done (CPU)."""
         prof = trace.active()
-        if prof is not None and self.works:
-            waited = prof.now()
-            completed_before = all(w.is_completed() for w in self.works)
-        for work in self.works:
-            work.wait()
-        if prof is not None and self.works and self.issued is not None:
-            done = prof.now()
-            prof.add("wait_all_gather", self.unit_name, "compute", waited, done)
-            end = _comm_end(self.issued_end, completed_before, waited, done)
-            prof.add("all_gather", self.unit_name, "all_gather", self.issued, end)
+        with trace.label("wait_all_gather", self.unit_name):
+            if prof is not None and self.works:
+                waited = prof.now()
+                completed_before = all(w.is_completed() for w in self.works)
+            for work in self.works:
+                work.wait()
+            if prof is not None and self.works and self.issued is not None:
+                prof.add_collective("all_gather", self.unit_name, self.works, self.issued, self.issued_end,
+                                    waited, prof.now(), completed_before)
         self.works = []
         if self.streams is not None:
             self.streams.wait(self.event)
@@ -133,16 +123,17 @@ class PendingReduce:
         name = self.unit.name
         prof = trace.active()
         with streams.use(streams.reduce_scatter):
-            if prof is not None:
-                waited = prof.now(streams.reduce_scatter)
-                completed_before = self.work.is_completed()
-            self.work.wait()
-            if prof is not None and self.issued is not None:
-                done = prof.now(streams.reduce_scatter)
-                if not streams.is_cuda:  # on CPU the compute thread itself blocked here
-                    prof.add("wait_reduce_scatter", name, "compute", waited, done)
-                end = _comm_end(self.issued_end, completed_before, waited, done)
-                prof.add("reduce_scatter", name, "reduce_scatter", self.issued, end)
+            with trace.label("wait_reduce_scatter", name):
+                if prof is not None:
+                    waited = prof.now(streams.reduce_scatter)
+                    completed_before = self.work.is_completed()
+                self.work.wait()
+                if prof is not None and self.issued is not None:
+                    # On CPU the compute thread itself blocked here; on CUDA the reduce-scatter
+                    # stream did (the compute stream's wait is recorded in wait_for_reduce_scatter).
+                    prof.add_collective("reduce_scatter", name, [self.work], self.issued, self.issued_end, waited,
+                                        prof.now(streams.reduce_scatter), completed_before,
+                                        wait_span=not streams.is_cuda)
             grad = self.group.sharded_grad_buffer()
             with trace.span("accumulate", name, "reduce_scatter", streams.reduce_scatter):
                 sq_norm, nonfinite = accumulate_grad_shard(
@@ -260,10 +251,13 @@ class ShardedUnit:
                     else:
                         group.copy_in()
                         sources.append(group.shard_slice_of_unsharded())
-            issued = prof.now(ag) if prof is not None else None
-            for group, source in zip(self.groups, sources):
-                works.append(comm.all_gather_into_tensor(group.unsharded_flat, source))
-            issued_end = prof.now(ag) if prof is not None and self.streams.is_cuda else None
+            with trace.label("all_gather", self.name):
+                issued = prof.now(ag) if prof is not None else None
+                for group, source in zip(self.groups, sources):
+                    works.append(comm.all_gather_into_tensor(group.unsharded_flat, source))
+                    if prof is not None and not self.streams.is_cuda:
+                        works[-1].track_completion()
+                issued_end = prof.now(ag) if prof is not None and self.streams.is_cuda else None
             event = self.streams.record(ag)
         self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, self.name, issued, issued_end)
         self.state = ShardState.UNSHARDING
@@ -320,9 +314,12 @@ class ShardedUnit:
                     flatten(grads, list(group.layout.offsets), packed, scale=1.0 / f_pre, numels=list(group.layout.numels))
                 packed_event = self.streams.record(rs)
                 output = torch.empty(S, dtype=reduce_dtype, device=self.device)
-                issued = prof.now(rs) if prof is not None else None
-                work = self.comm.reduce_scatter_tensor(output, packed, op="sum")
-                issued_end = prof.now(rs) if prof is not None and self.streams.is_cuda else None
+                with trace.label("reduce_scatter", self.name):
+                    issued = prof.now(rs) if prof is not None else None
+                    work = self.comm.reduce_scatter_tensor(output, packed, op="sum")
+                    if prof is not None and not self.streams.is_cuda:
+                        work.track_completion()
+                    issued_end = prof.now(rs) if prof is not None and self.streams.is_cuda else None
             # Outside the reduce-scatter stream: the *compute* stream must pass the pack before
             # the gradients it read may be freed (see streams.hold_until_passed).
             self.streams.hold_until_passed(packed_event, grads)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -21,6 +23,49 @@ def test_local_communicator_is_the_identity_collective():
         comm.all_reduce(out, op="prod")
     with pytest.raises(ValueError, match="world_size"):
         comm.all_gather_into_tensor(torch.zeros(5), inp)
+
+
+def test_local_communicator_work_completes_when_issued():
+    comm = LocalCommunicator()
+    before = time.perf_counter()
+    work = comm.reduce_scatter_tensor(torch.empty(4), torch.arange(4.0))
+    after = time.perf_counter()
+    assert before <= work.completion_time() <= after
+    assert work.is_completed()
+
+
+def _completion_times(rank, world_size):
+    comm = ProcessGroupCommunicator()
+    n = 1000
+    issuers = {
+        "all_gather": lambda: comm.all_gather_into_tensor(torch.empty(world_size * n), torch.ones(n)),
+        "reduce_scatter": lambda: comm.reduce_scatter_tensor(torch.empty(n), torch.ones(world_size * n)),
+        "reduce_scatter_avg": lambda: comm.reduce_scatter_tensor(torch.empty(n), torch.ones(world_size * n), op="avg"),
+    }
+    times = {}
+    for name, issue in issuers.items():
+        comm.barrier()
+        issued = time.perf_counter()
+        work = issue()
+        work.track_completion()
+        while not work.is_completed():
+            time.sleep(1e-4)
+        seen = time.perf_counter()
+        time.sleep(0.02)  # the consumer computes before it waits: not part of the collective
+        work.wait()
+        times[name] = (issued, work.completion_time(), seen)
+    untracked = comm.all_gather_into_tensor(torch.empty(world_size * n), torch.ones(n))
+    untracked.wait()
+    times["untracked"] = untracked.completion_time()
+    return times
+
+
+def test_gloo_work_reports_when_it_completed_not_when_it_was_waited_on():
+    for times in run_distributed(_completion_times, 2):
+        assert times.pop("untracked") is None
+        for name, (issued, completed, seen) in times.items():
+            assert completed is not None, name
+            assert issued <= completed <= seen, name
 
 
 def _collectives(rank, world_size):
