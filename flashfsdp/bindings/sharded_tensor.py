@@ -28,6 +28,7 @@ import ctypes
 from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -93,8 +94,11 @@ class ShardedPiece(torch.Tensor):
     full tensor's) but holds only ``local``: elements [start, start + local.numel()) of the flattened
     full tensor. DCP saves those elements (as the boxes of :func:`flat_range_boxes`) and loads into
     them in place. Supported tensor ops: ``detach``, ``clone`` and ``to``/``_to_copy`` (applied to the
-    piece); anything else raises, as the full tensor is not here (use
-    ``flashfsdp.get_full_state_dict`` for full tensors).
+    piece); any other op that has a piece among its arguments raises ``NotImplementedError`` naming
+    the piece, as the full tensor is not here (``plain.copy_(piece)``, which is what an unwrapped
+    module's ``load_state_dict`` does with a sharded state dict, included): use
+    ``flashfsdp.get_full_state_dict`` for full tensors. Pieces pickle (``torch.save``) and
+    ``torch.load(weights_only=True)`` rebuilds them.
 
     Args:
         local: the piece, a 1-D tensor (possibly empty); kept by reference, not copied.
@@ -190,17 +194,21 @@ class ShardedPiece(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self = args[0]
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        self = args[0] if args and isinstance(args[0], ShardedPiece) else None
+        if self is not None and func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return ShardedPiece(self._local.detach(), self.shape, self._start, self._fqn)
-        if func is torch.ops.aten.clone.default:
+        if self is not None and func is torch.ops.aten.clone.default:
             return ShardedPiece(self._local.clone(), self.shape, self._start, self._fqn)
-        if func is torch.ops.aten._to_copy.default:
+        if self is not None and func is torch.ops.aten._to_copy.default:
             return ShardedPiece(func(self._local, *args[1:], **kwargs), self.shape, self._start, self._fqn)
+        # The piece may be any argument (plain.copy_(piece), torch.add(x, piece), out=piece, ...).
+        piece = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ShardedPiece))
         raise NotImplementedError(
-            f"ShardedPiece '{self._fqn}' holds only elements [{self._start}, {self._start + self._local.numel()}) "
-            f"of a tensor of shape {tuple(self.shape)}, so {func} cannot run on it: use .local() for this "
-            f"rank's piece, or flashfsdp.get_full_state_dict(model) for full tensors"
+            f"ShardedPiece '{piece._fqn}' holds only elements [{piece._start}, "
+            f"{piece._start + piece._local.numel()}) of a tensor of shape {tuple(piece.shape)}, so {func} cannot "
+            f"run on it: use .local() for this rank's piece, or flashfsdp.get_full_state_dict(model) for full "
+            f"tensors (a sharded state dict cannot be loaded into an unwrapped module; load a DCP checkpoint of it "
+            f"with dcp.load, or save flashfsdp.get_full_state_dict(model) instead)"
         )
 
     def __reduce_ex__(self, protocol):
@@ -231,3 +239,9 @@ def _own_storage(view: torch.Tensor) -> torch.Tensor:
 
 def _rebuild_sharded_piece(local: torch.Tensor, full_shape: tuple, start: int, fqn: str) -> ShardedPiece:
     return ShardedPiece(local, full_shape, start, fqn)
+
+
+# torch.load(weights_only=True) (torch's default) may rebuild pieces: the rebuild only validates and
+# wraps a tensor, so it is safe to allow. A torch.save'd state dict or optimizer state dict of a
+# fully_shard'ed model then loads back at the same world size like any other.
+torch.serialization.add_safe_globals([_rebuild_sharded_piece])

@@ -1,5 +1,34 @@
 """Sharded and full state dicts of fully_shard'ed modules; torch.distributed.checkpoint integration.
 
+Which calls to use (every one collective unless said otherwise)
+----------------------------------------------------------------
+============================================  =====================================================
+sharded checkpoint, model + optimizer          ``flashfsdp.checkpoint.save`` / ``load`` (atomic), or
+(reshardable to any world size)                ``dcp.save`` / ``dcp.load`` of ``model.state_dict()``
+                                               and :func:`get_optimizer_state_dict`, then
+                                               ``model.load_state_dict`` and
+                                               :func:`set_optimizer_state_dict`; the stock
+                                               ``torch.distributed.checkpoint.state_dict``
+                                               ``get_state_dict`` / ``set_state_dict`` (and the
+                                               model/optimizer variants) with the default
+                                               options work too
+full model state dict (plain tensors)          :func:`get_full_state_dict` / :func:`set_full_state_dict`
+full state dict *into* a flashfsdp model       also ``set_model_state_dict`` /
+                                               ``set_optimizer_state_dict`` with
+                                               ``StateDictOptions(full_state_dict=True)``
+                                               (``broadcast_from_rank0`` too), or
+                                               ``model.load_state_dict(full_sd)`` on every rank
+============================================  =====================================================
+
+Not supported: ``StateDictOptions(full_state_dict=True)`` in the *getters* of
+``torch.distributed.checkpoint.state_dict`` (``get_state_dict``, ``get_model_state_dict``,
+``get_optimizer_state_dict``). DSD gathers only DTensor and ShardedTensor values; a flashfsdp piece
+is neither (its range of the flattened parameter is not a DTensor placement), so DSD would hand
+back this rank's pieces as if they were full tensors. flashfsdp sees the call (the state-dict hooks
+below look for DSD's full-state-dict getter on the call stack) and raises ``NotImplementedError``
+pointing here instead. A full optimizer state dict: save it sharded and convert the checkpoint
+offline with ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``.
+
 Sharded (the default, what ``module.state_dict()`` returns): every parameter of a unit appears under
 its original fully-qualified name as a :class:`~flashfsdp.bindings.sharded_tensor.ShardedPiece`,
 the parameter's full shape around this rank's 1-D piece, which ``torch.distributed.checkpoint``
@@ -10,13 +39,22 @@ Buffers and parameters outside any unit stay plain tensors (replicated; DCP writ
 tensors and writes this rank's elements into the sharded master storage in place. Both go through
 the state-dict hooks that :func:`install_state_dict_hooks` registers on every fully_shard'ed module,
 so ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``set_model_state_dict`` work
-unchanged (they call ``state_dict`` / ``load_state_dict``).
+unchanged (they call ``state_dict`` / ``load_state_dict``). The keys are the module hierarchy's
+(``nn.Module.state_dict``'s), never a name stored on a parameter.
 
-Optimizer state (:func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`): DCP's
-``get_optimizer_state_dict`` already keys the state by parameter name for our modules (it maps the
-sharded pieces through ``model.named_parameters()``); what it cannot know is that ``exp_avg`` &c.
-are pieces of a larger tensor, so these wrappers turn every per-element state tensor (shaped like
-the parameter's piece) into a ShardedPiece of the parameter's full shape and back.
+Optimizer state ([Note: optimizer state-dict hooks]): an optimizer's state of a sharded parameter
+(``exp_avg``, ``momentum_buffer``, ...) is a 1-D tensor shaped like this rank's piece, which DCP
+would take for a replicated tensor (and keep one rank's, silently losing the others'). So every
+optimizer over flashfsdp parameters gets two hooks of its own: ``optimizer.state_dict()`` returns
+each per-element state tensor as a ShardedPiece of the parameter's full shape (what DCP saves and
+reshards like the parameter), and ``optimizer.load_state_dict`` turns ShardedPieces (what
+``dcp.load`` filled) and full-shape tensors (a full optimizer state dict) back into this rank's
+piece. The hooks are installed on an optimizer the first time it steps (a global optimizer
+step-pre-hook, registered by the first ``fully_shard``; DSD's getters and setters step a fresh
+optimizer once with lr 0 to create its state, which installs them) and by
+:func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`. Scalars (``step``) and
+``param_groups`` stay as they are (replicated). DSD keys the state by parameter name (it maps the
+pieces through ``model.named_parameters()``).
 
 Full state dicts (:func:`get_full_state_dict` / :func:`set_full_state_dict`): exactly the keys,
 order and shapes of ``nn.Module.state_dict()`` of the unwrapped model, gathered (or broadcast from
@@ -27,11 +65,16 @@ from __future__ import annotations
 
 import builtins
 import functools
+import inspect
+import sys
+import weakref
+from itertools import chain
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flashfsdp.kernels import flatten, unflatten
 from flashfsdp.runtime.flat_param import FlatParam
@@ -45,10 +88,58 @@ def install_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
     """Make ``module.state_dict()`` / ``module.load_state_dict()`` sharded-aware (called by fully_shard).
 
     Each hook handles only the parameters of ``state``'s unit; nested fully_shard'ed modules run
-    their own hooks, as ``nn.Module.state_dict`` visits every submodule.
+    their own hooks, as ``nn.Module.state_dict`` visits every submodule. The first call also
+    registers the global optimizer step-pre-hook that gives optimizers over flashfsdp parameters
+    their state-dict hooks (see [Note: optimizer state-dict hooks]).
     """
     module.register_state_dict_post_hook(functools.partial(_post_state_dict, state))
     module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state))
+    _register_optimizer_step_hook()
+
+
+_DSD_MODULE = "torch.distributed.checkpoint.state_dict"
+
+
+def _dsd_full_state_dict_getter() -> str | None:
+    """The DSD getter gathering a full state dict that called us (from the call stack), or None.
+
+    DSD's ``_get_model_state_dict`` / ``_get_optim_state_dict`` take their options as ``info``;
+    when ``info.full_state_dict`` is set they gather DTensors and ShardedTensors only. Nothing is
+    on the stack unless DSD has been imported. Should torch rename these internals, the check finds
+    nothing and the call is silent again (``tests/bindings/test_state_dict.py`` would fail).
+    """
+    dsd = sys.modules.get(_DSD_MODULE)
+    if dsd is None:
+        return None
+    getters = {}
+    for name in ("_get_model_state_dict", "_get_optim_state_dict"):
+        fn = getattr(dsd, name, None)
+        if fn is not None:
+            getters[inspect.unwrap(fn).__code__] = name
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = getters.get(frame.f_code)
+        if name is not None:
+            info = frame.f_locals.get("info")
+            return name if getattr(info, "full_state_dict", False) is True else None
+        frame = frame.f_back
+    return None
+
+
+def _refuse_dsd_full_state_dict(what: str) -> None:
+    """Raise if DSD is gathering a full state dict of ``what`` (it would return pieces as full tensors)."""
+    getter = _dsd_full_state_dict_getter()
+    if getter is None:
+        return
+    raise NotImplementedError(
+        f"torch.distributed.checkpoint.state_dict cannot gather a full state dict "
+        f"(StateDictOptions(full_state_dict=True)) of {what}: it gathers only DTensor/ShardedTensor values and "
+        f"would return this rank's pieces as if they were full tensors. For the model's full state dict call "
+        f"flashfsdp.get_full_state_dict(model); for the optimizer, save it sharded (flashfsdp.checkpoint.save, "
+        f"or dcp.save of flashfsdp.get_optimizer_state_dict(model, optimizer)) and convert the checkpoint with "
+        f"torch.distributed.checkpoint.format_utils.dcp_to_torch_save. Sharded get_state_dict (the default "
+        f"options) and full_state_dict=True in set_*_state_dict work"
+    )
 
 
 def unit_param_keys(state: FSDPState) -> list[tuple[str, int]]:
@@ -79,6 +170,7 @@ def _sharded_piece(param: nn.Parameter, key: str, keep_vars: bool) -> ShardedPie
 
 
 def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    _refuse_dsd_full_state_dict(f"fully_shard'ed module '{state.unit.name}'")
     # The registrations hold the sharded pieces outside forward/backward and the unsharded views
     # inside; either way the master values are the pieces.
     for rel, i in unit_param_keys(state):
@@ -449,24 +541,155 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------- optimizer state
-def _check_optimizer(model: Any, optimizer: Any, where: str) -> dict[str, nn.Parameter]:
+# [Note: optimizer state-dict hooks]
+# Optimizer.state_dict() keys the state by parameter position (an int, in param_groups order);
+# load_state_dict matches the saved param_groups' ids with the optimizer's parameters in the same
+# order. DSD calls both with parameter names in place of the ints. The hooks below pair ids and
+# parameters that way and touch only parameters that carry a flashfsdp piece (``_flashfsdp_piece``).
+
+_HOOKED = "_flashfsdp_state_dict_hooks"  # set on an optimizer once its hooks are registered
+_scanned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_step_hook = None
+
+
+def _register_optimizer_step_hook() -> None:
+    """Register (once per process) the global step-pre-hook that installs the optimizer hooks."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_install_on_step)
+
+
+def _install_on_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    # Every optimizer's step passes here: scan an optimizer's parameters again only when their
+    # number changed (add_param_group).
+    if getattr(optimizer, _HOOKED, False):
+        return
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _scanned.get(optimizer) != count:
+        _scanned[optimizer] = count
+        install_optimizer_hooks(optimizer)
+
+
+def install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Give ``optimizer`` the state-dict hooks of [Note: optimizer state-dict hooks] (idempotent).
+
+    Returns whether it has them, i.e. whether any of its parameters is a flashfsdp piece (an
+    optimizer over plain parameters is left alone). The hooks are the optimizer's own: a copy or
+    an unpickled optimizer gets them again at its first step. ShardedPieces that an earlier
+    ``load_state_dict`` (without the hooks: before the optimizer's first step) put into its state
+    become this rank's pieces now, before any step runs on them.
+
+    Raises:
+        ValueError: such a ShardedPiece is of another range than this rank's (another world size).
+    """
+    if getattr(optimizer, _HOOKED, False):
+        return True
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(hasattr(p, "_flashfsdp_piece") for p in params):
+        return False
+    for i, param in enumerate(params):
+        entries = optimizer.state.get(param)  # .get: no entry is created
+        if hasattr(param, "_flashfsdp_piece") and isinstance(entries, dict):
+            for key, value in entries.items():
+                if isinstance(value, ShardedPiece):
+                    entries[key] = local_piece_of(value, param, f"{_param_label(i)}.{key}")
+    optimizer.register_state_dict_post_hook(_optimizer_state_dict_post_hook)
+    optimizer.register_load_state_dict_pre_hook(_optimizer_load_state_dict_pre_hook)
+    setattr(optimizer, _HOOKED, True)
+    return True
+
+
+def _params_by_id(optimizer: torch.optim.Optimizer, groups: Any) -> dict[Any, nn.Parameter] | None:
+    """Saved parameter id (int or name) -> the optimizer's parameter, or None if the groups differ."""
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(optimizer.param_groups):
+        return None
+    for saved, own in zip(groups, optimizer.param_groups):
+        if not isinstance(saved, Mapping) or len(saved.get("params", ())) != len(own["params"]):
+            return None
+    return dict(zip(chain.from_iterable(g["params"] for g in groups),
+                    chain.from_iterable(g["params"] for g in optimizer.param_groups)))
+
+
+def _param_label(param_id: Any) -> str:
+    return param_id if isinstance(param_id, str) else f"optimizer parameter #{param_id}"
+
+
+def _is_piece_state(value: Any, param: nn.Parameter) -> bool:
+    """Whether ``value`` is per-element optimizer state of the piece ``param`` (shaped like it, 1-D)."""
+    return (isinstance(value, torch.Tensor) and not isinstance(value, ShardedPiece) and value.dim() == 1
+            and value.shape == param.shape)
+
+
+def _optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Per-element state of flashfsdp parameters as ShardedPieces (new dicts; the state is shared)."""
+    _refuse_dsd_full_state_dict(f"{type(optimizer).__name__} over fully_shard'ed parameters")
+    params = _params_by_id(optimizer, state_dict["param_groups"]) or {}
+    state = {}
+    for param_id, entries in state_dict["state"].items():
+        param = params.get(param_id)
+        if param is not None and hasattr(param, "_flashfsdp_piece") and isinstance(entries, Mapping):
+            entries = {
+                key: ShardedPiece(value, param._flashfsdp_full_shape, param._flashfsdp_piece.param_start,
+                                  fqn=f"{_param_label(param_id)}.{key}") if _is_piece_state(value, param) else value
+                for key, value in entries.items()
+            }
+        state[param_id] = entries
+    return {**state_dict, "state": state}
+
+
+def _optimizer_load_state_dict_pre_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict | None:
+    """This rank's pieces of ShardedPieces / full-shape tensors in ``state_dict`` (new dicts).
+
+    Raises ValueError (naming the parameter and key) for a ShardedPiece of another range or a
+    tensor of another shape; a state dict whose param_groups do not match is left to
+    ``Optimizer.load_state_dict``'s own error.
+    """
+    if not isinstance(state_dict.get("state"), Mapping):
+        return None
+    params = _params_by_id(optimizer, state_dict.get("param_groups"))
+    if params is None:
+        return None
+    state = {}
+    for param_id, entries in state_dict["state"].items():
+        param = params.get(param_id)
+        if param is not None and hasattr(param, "_flashfsdp_piece") and isinstance(entries, Mapping):
+            local = {}
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    piece = local_piece_of(value, param, f"{_param_label(param_id)}.{key}")
+                    # a slice of a full tensor: own copy, so that the full tensor can be freed
+                    value = piece if isinstance(value, ShardedPiece) or piece is value else piece.clone()
+                local[key] = value
+            entries = local
+        state[param_id] = entries
+    return {**state_dict, "state": state}
+
+
+def _check_optimizer(model: Any, optimizer: Any, where: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{where}: optimizer must be a torch.optim.Optimizer over the model's parameters, "
                         f"got {type(optimizer).__name__}")
-    return {name: p for name, p in model.named_parameters() if hasattr(p, "_flashfsdp_piece")}
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name, sharded like the parameters (for DCP).
 
-    Built on ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (which keys the
-    state by the names ``model.named_parameters()`` gives, and initialises a fresh optimizer's state
-    with a zero-lr step). Every state tensor shaped like a sharded parameter's 1-D piece (Adam's
-    ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) becomes a :class:`ShardedPiece` of the
-    parameter's full shape, so DCP saves and reshards it like the parameter; scalars (``step``) and
-    ``param_groups`` stay as they are (replicated).
+    Use this (or ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
+    ``get_state_dict`` with the default options, which give the same once the optimizer has its
+    hooks) with ``dcp.save`` / ``dcp.load``, and :func:`set_optimizer_state_dict` to load; or
+    ``flashfsdp.checkpoint.save`` / ``load``, which do all of it. Not with
+    ``StateDictOptions(full_state_dict=True)``: DSD cannot gather flashfsdp pieces and raises
+    (see the module docstring).
+
+    Installs the optimizer's state-dict hooks ([Note: optimizer state-dict hooks]), then calls
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (which keys the state by
+    the names ``model.named_parameters()`` gives, and initialises a fresh optimizer's state with a
+    zero-lr step). Every state tensor shaped like a sharded parameter's 1-D piece (Adam's
+    ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) is a :class:`ShardedPiece` of the
+    parameter's full shape, so DCP saves and reshards it like the parameter; scalars (``step``)
+    and ``param_groups`` stay as they are (replicated).
 
     Args:
         model: the (fully_shard'ed) model whose parameters ``optimizer`` steps.
@@ -481,30 +704,31 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     """
     from torch.distributed.checkpoint import state_dict as dsd  # noqa: PLC0415
 
-    pieces = _check_optimizer(model, optimizer, "get_optimizer_state_dict")
+    _check_optimizer(model, optimizer, "get_optimizer_state_dict")
+    install_optimizer_hooks(optimizer)
     osd = dsd.get_optimizer_state_dict(model, optimizer)
-    state = {}
     for name, entries in osd["state"].items():
-        # New dicts: Optimizer.state_dict() hands out the optimizer's own per-parameter dicts.
-        param, entries = pieces.get(name), dict(entries)
-        if param is not None:
-            for key, value in entries.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == param.shape:
-                    entries[key] = ShardedPiece(value, param._flashfsdp_full_shape,
-                                                param._flashfsdp_piece.param_start, fqn=f"{name}.{key}")
-        state[name] = entries
-    return {**osd, "state": state}
+        for key, value in entries.items():
+            if isinstance(value, ShardedPiece):
+                value._fqn = f"{name}.{key}"  # the hook knew positions only; DSD gave the names
+    return osd
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                              optim_state_dict: Mapping[str, Any]) -> None:
     """Load an optimizer state dict of :func:`get_optimizer_state_dict`'s form into ``optimizer``.
 
-    Every ShardedPiece (what ``dcp.load`` filled) becomes its local piece; a plain tensor of a
-    parameter's full shape is cut to this rank's piece (a full optimizer state dict); then
-    ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` loads it (names to
-    parameters, ``Optimizer.load_state_dict``; hyperparameters come from the state dict).
-    ``optim_state_dict`` itself is not modified.
+    Use it after ``dcp.load`` into :func:`get_optimizer_state_dict`'s dict (or call
+    ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` / ``set_state_dict``,
+    which do the same, ``full_state_dict=True`` included); ``flashfsdp.checkpoint.load`` does
+    it all.
+
+    Installs the optimizer's state-dict hooks ([Note: optimizer state-dict hooks]) and calls
+    ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` (names to parameters,
+    ``Optimizer.load_state_dict``; hyperparameters such as ``lr`` come from the state dict), whose
+    ``load_state_dict`` hook turns every ShardedPiece (what ``dcp.load`` filled) into its local
+    piece and cuts every plain tensor of a parameter's full shape (a full optimizer state dict) to
+    this rank's piece. ``optim_state_dict`` itself is not modified.
 
     Raises:
         TypeError: wrong ``model``/``optimizer`` type, or ``optim_state_dict`` not a mapping.
@@ -513,23 +737,12 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     """
     from torch.distributed.checkpoint import state_dict as dsd  # noqa: PLC0415
 
-    pieces = _check_optimizer(model, optimizer, "set_optimizer_state_dict")
+    _check_optimizer(model, optimizer, "set_optimizer_state_dict")
     if not isinstance(optim_state_dict, Mapping):
         raise TypeError(f"set_optimizer_state_dict: optim_state_dict must be a mapping, got "
                         f"{type(optim_state_dict).__name__}")
     if "state" not in optim_state_dict or "param_groups" not in optim_state_dict:
         raise ValueError("set_optimizer_state_dict: optim_state_dict must have 'state' and 'param_groups' "
                          "(as get_optimizer_state_dict returns)")
-    state = {}
-    for name, entries in optim_state_dict["state"].items():
-        param = pieces.get(name)
-        local = dict(entries)
-        if param is not None:
-            for key, value in entries.items():
-                if isinstance(value, ShardedPiece) or (
-                    isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param._flashfsdp_full_shape
-                ):
-                    piece = local_piece_of(value, param, f"{name}.{key}")
-                    local[key] = piece if isinstance(value, ShardedPiece) else piece.clone()
-        state[name] = local
-    dsd.set_optimizer_state_dict(model, optimizer, {**optim_state_dict, "state": state})
+    install_optimizer_hooks(optimizer)
+    dsd.set_optimizer_state_dict(model, optimizer, dict(optim_state_dict))

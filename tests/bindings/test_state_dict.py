@@ -7,6 +7,7 @@ the W = 1 load of its sharded checkpoint and the error cases run in the test pro
 
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
@@ -16,7 +17,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
 )
 
 import flashfsdp
@@ -24,7 +29,7 @@ from flashfsdp import ShardedPiece, get_full_state_dict, set_full_state_dict
 from flashfsdp.bindings.sharded_tensor import flat_range_boxes
 from flashfsdp.kernels.dispatch import use_backend
 from tests.harness import run_distributed
-from tests.models import llama_units, make_batch, make_llama
+from tests.models import llama_units, loss_fn, make_batch, make_llama
 from tests.training import train_flashfsdp, train_reference
 
 FP32_PARAMS = dict(rtol=1e-5, atol=1e-5)
@@ -55,6 +60,64 @@ def _assert_same(got: dict, want: dict, **tol) -> None:
     for key in want:
         assert got[key].shape == want[key].shape and got[key].dtype == want[key].dtype, key
         torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{key}: {m}", **(tol or EXACT))
+
+
+def _adam_step(model, lr: float = 1e-2, seed: int = 0, whole_batch: bool = False):
+    """An Adam over ``model`` after one step on the global batch of ``seed`` (this rank's rows, or all)."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    x, y = make_batch("llama", seed, 4)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() and not whole_batch else (1, 0)
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    loss_fn("llama", model(x[rows]), y[rows]).backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def _optimizer_pieces(model, opt) -> dict:
+    """name -> (start in the flattened parameter, full shape, {state key: this rank's tensor, cloned})."""
+    return {name: (p._flashfsdp_piece.param_start, tuple(p._flashfsdp_full_shape),
+                   {k: v.clone() for k, v in opt.state[p].items()}) for name, p in model.named_parameters()}
+
+
+def _dsd_round_trip(out: str) -> dict:
+    """Stock DSD get_state_dict -> dcp.save -> dcp.load -> set_state_dict, model + Adam, same W."""
+    model = _sharded(_llama())
+    opt = _adam_step(model)
+    msd, osd = get_state_dict(model, opt)
+    types = {k: type(v).__name__ for k, v in osd["state"]["layers.0.attention.wq.weight"].items()}
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "dsd"))
+    fresh = _sharded(_llama(seed=3))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "dsd"))
+    set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+    mismatched = [name for (name, p), q in zip(model.named_parameters(), fresh.parameters())
+                  if not torch.equal(p, q) or opt.state[p].keys() != fresh_opt.state[q].keys()
+                  or not all(torch.equal(v, fresh_opt.state[q][k]) for k, v in opt.state[p].items())]
+    return {"dsd_types": types, "dsd_mismatched": mismatched, "dsd_lr": fresh_opt.param_groups[0]["lr"],
+            "dsd_pieces": _optimizer_pieces(model, opt), "dsd_params": get_full_state_dict(model)}
+
+
+def _dsd_full_loads(rank: int) -> dict:
+    """A plain model's full model and Adam state dicts into flashfsdp with DSD's full_state_dict=True."""
+    plain = _llama(seed=4)
+    plain_opt = _adam_step(plain, lr=3e-3, seed=1, whole_batch=True)  # the same state on every rank
+    full_osd = get_optimizer_state_dict(plain, plain_opt)
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    flash = _sharded(_llama(seed=5))
+    flash_opt = torch.optim.Adam(flash.parameters(), lr=0.5)
+    set_model_state_dict(flash, plain.state_dict() if rank == 0 else {}, options=broadcast)
+    set_optimizer_state_dict(flash, flash_opt, full_osd if rank == 0 else {}, options=broadcast)
+    mismatched = []
+    for (name, q), p in zip(flash.named_parameters(), plain.parameters()):
+        a, n = q._flashfsdp_piece.param_start, q.numel()
+        for key, want in plain_opt.state[p].items():
+            got = flash_opt.state[q][key]
+            if not torch.equal(got, want.reshape(-1)[a : a + n] if want.dim() else want):
+                mismatched.append(f"{name}.{key}")
+    return {"full_load_mismatched": mismatched, "full_load_lr": flash_opt.param_groups[0]["lr"],
+            "full_load_model": get_full_state_dict(flash), "full_load_want": plain.state_dict()}
 
 
 def _save_to_rank0_file(sd: dict, path: str) -> None:
@@ -107,6 +170,8 @@ def _state_dicts(rank, world_size, out):
     dcp.load(fsdp2_sd, checkpoint_id=os.path.join(out, "sharded"))
     fsdp2.load_state_dict(fsdp2_sd)
     res["fsdp2_from_flash_dcp"] = get_model_state_dict(fsdp2, options=full_options)
+    res.update(_dsd_round_trip(out))
+    res.update(_dsd_full_loads(rank))
     return res
 
 
@@ -154,6 +219,68 @@ def test_sharded_checkpoint_of_w2_loads_at_w1(results):
             dcp.load(sd, checkpoint_id=os.path.join(out, "sharded"), no_dist=True)
         model.load_state_dict(sd)
         _assert_same(get_full_state_dict(model), _llama().state_dict())
+    # the buffer (replicated) is in the checkpoint once: one key, one chunk, one storage entry
+    metadata = dcp.FileSystemReader(os.path.join(out, "sharded")).read_metadata()
+    assert [k for k in metadata.state_dict_metadata if "calibration" in k] == ["norm.calibration"]
+    assert len(metadata.state_dict_metadata["norm.calibration"].chunks) == 1
+    assert [k.fqn for k in metadata.storage_data if "calibration" in k.fqn] == ["norm.calibration"]
+
+
+def test_stock_dsd_get_and_set_state_dict_with_optimizer(results):
+    """get_state_dict + dcp.save / dcp.load + set_state_dict: same W exactly, and resharded to W = 1."""
+    out, (r0, r1) = results
+    for r in (r0, r1):
+        assert r["dsd_types"] == {"step": "Tensor", "exp_avg": "ShardedPiece", "exp_avg_sq": "ShardedPiece"}
+        assert r["dsd_mismatched"] == [] and r["dsd_lr"] == 1e-2
+    want = {}  # every parameter's Adam state assembled from the two ranks' pieces
+    for r in (r0, r1):
+        for name, (start, shape, entries) in r["dsd_pieces"].items():
+            for key, value in entries.items():
+                if value.dim() == 0:
+                    want.setdefault(name, {})[key] = value
+                    continue
+                full = want.setdefault(name, {}).setdefault(key, torch.full(shape, float("nan")))
+                full.view(-1)[start : start + value.numel()] = value
+    with use_backend("reference"):
+        model = _sharded(_llama(seed=9))
+        opt = torch.optim.Adam(model.parameters(), lr=0.5)
+        msd, osd = get_state_dict(model, opt)
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "dsd"), no_dist=True)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        _assert_same(get_full_state_dict(model), r0["dsd_params"])
+        assert opt.param_groups[0]["lr"] == 1e-2
+        for name, p in model.named_parameters():
+            assert opt.state[p].keys() == want[name].keys(), name
+            for key, value in want[name].items():
+                torch.testing.assert_close(opt.state[p][key], value.reshape(opt.state[p][key].shape), **EXACT)
+
+
+def test_stock_dsd_full_state_dict_loads(results):
+    _, (r0, r1) = results
+    for r in (r0, r1):
+        assert r["full_load_mismatched"] == [] and r["full_load_lr"] == 3e-3
+    _assert_same(r0["full_load_model"], r0["full_load_want"])
+
+
+def test_stock_dsd_full_state_dict_getters_refuse_flashfsdp_models():
+    with use_backend("reference"):
+        model = _sharded(_llama())
+        opt = _adam_step(model)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_msg = (r"cannot gather a full state dict \(StateDictOptions\(full_state_dict=True\)\) of fully_shard'ed "
+                     r"module '.*'.*call flashfsdp.get_full_state_dict\(model\)")
+        with pytest.raises(NotImplementedError, match=model_msg):
+            get_model_state_dict(model, options=full)
+        with pytest.raises(NotImplementedError, match=model_msg):
+            get_state_dict(model, opt, options=full)
+        with pytest.raises(NotImplementedError, match=r"of Adam over fully_shard'ed parameters.*dcp_to_torch_save"):
+            get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        # the default (sharded) options still work, and flashfsdp's own full state dict
+        assert isinstance(get_model_state_dict(model)["norm.weight"], ShardedPiece)
+        assert isinstance(get_optimizer_state_dict(model, opt)["state"]["norm.weight"]["exp_avg"], ShardedPiece)
+        shapes = {k: v.shape for k, v in get_full_state_dict(model).items()}
+        assert shapes == {k: v.shape for k, v in _llama().state_dict().items()}
 
 
 def test_flat_range_boxes_cover_every_range_exactly():
@@ -187,6 +314,15 @@ def test_sharded_piece_rejects_what_it_cannot_do():
         ShardedPiece(torch.zeros(5), (2, 2), 0)
     with pytest.raises(TypeError, match="local must be a plain tensor"):
         ShardedPiece(piece, (3, 4), 3)
+    # the piece need not be the first argument
+    with pytest.raises(NotImplementedError, match=r"ShardedPiece 'w' holds only elements \[3, 8\).*aten.copy_"):
+        torch.zeros(3, 4).copy_(piece)
+    with pytest.raises(NotImplementedError, match=r"ShardedPiece 'w' holds only elements \[3, 8\).*aten.add"):
+        torch.add(torch.zeros(3, 4), piece)
+    saved = io.BytesIO()
+    torch.save({"w": piece}, saved)
+    back = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)["w"]
+    assert isinstance(back, ShardedPiece) and back.start == 3 and torch.equal(back.local(), piece.local())
 
 
 class _WithExtraState(torch.nn.Module):
@@ -236,6 +372,9 @@ def test_bad_input_is_named():
         _sharded(with_extra)
         with pytest.raises(NotImplementedError, match="'extra._extra_state' is module extra state"):
             set_full_state_dict(with_extra, {**good, "extra._extra_state": {"calibrated": True}})
+        with pytest.raises(RuntimeError, match=r"ShardedPiece '.*' holds only elements .*a sharded state dict cannot "
+                                               r"be loaded into an unwrapped module"):
+            _llama().load_state_dict(model.state_dict())
         # plain full tensors are accepted where pieces are expected, and loaded exactly
         model.load_state_dict(good)
         _assert_same(get_full_state_dict(model), good)
@@ -261,6 +400,41 @@ def test_optimizer_state_dict_round_trip_at_w1_keeps_optimizer_state_plain():
         for p, q in zip(model.parameters(), fresh.parameters()):
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 torch.testing.assert_close(fresh_opt.state[q][key], opt.state[p][key], **EXACT)
+
+
+def test_optimizer_state_dict_of_a_stepped_optimizer_is_sharded_and_reloads():
+    """Plain Optimizer.state_dict() / load_state_dict (through torch.save) once the optimizer stepped."""
+    with use_backend("reference"):
+        model = _sharded(_llama())
+        opt = _adam_step(model)
+        first = next(iter(model.parameters()))
+        sd = opt.state_dict()
+        assert isinstance(sd["state"][0]["exp_avg"], ShardedPiece) and sd["state"][0]["step"].dim() == 0
+        assert sd["state"][0]["exp_avg"].shape == first._flashfsdp_full_shape
+        assert all(type(v) is torch.Tensor for s in opt.state.values() for v in s.values())
+        saved = io.BytesIO()
+        torch.save(sd, saved)
+        fresh = _sharded(_llama(seed=2))
+        stepped_opt = _adam_step(fresh, lr=0.5)  # has the hooks: its load_state_dict cuts the pieces
+        never_stepped_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)  # cut at its first step
+        for fresh_opt in (stepped_opt, never_stepped_opt):
+            fresh_opt.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+            fresh_opt.step()  # no gradients: only the step hooks run
+            assert fresh_opt.param_groups[0]["lr"] == 1e-2
+            for p, q in zip(model.parameters(), fresh.parameters()):
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    assert type(fresh_opt.state[q][key]) is torch.Tensor
+                    torch.testing.assert_close(fresh_opt.state[q][key], opt.state[p][key], **EXACT)
+        other_range = {**sd, "state": {**sd["state"], 0: {**sd["state"][0],
+                                                          "exp_avg": ShardedPiece(torch.zeros(5), first._flashfsdp_full_shape, 0)}}}
+        with pytest.raises(ValueError, match=r"'optimizer parameter #0.exp_avg' is a ShardedPiece of elements \[0, 5\)"):
+            stepped_opt.load_state_dict(other_range)
+        never_stepped_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+        never_stepped_opt.load_state_dict(other_range)
+        with pytest.raises(ValueError, match=r"'optimizer parameter #0.exp_avg' is a ShardedPiece of elements \[0, 5\)"):
+            never_stepped_opt.step()
+        plain_opt = _adam_step(_llama())  # an optimizer over plain parameters is left alone
+        assert type(plain_opt.state_dict()["state"][0]["exp_avg"]) is torch.Tensor
 
 
 def test_full_state_dict_is_in_the_master_dtype_under_bf16_compute():
