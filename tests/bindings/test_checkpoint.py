@@ -1,7 +1,9 @@
 """flashfsdp.checkpoint: save at W = 2, resume at W = 1, 2, 4; atomic saves; clear errors on bad input.
 
-One W = 2 run trains 3 steps and saves, has one rank's writer fail half-way through a second save,
-and resumes from the surviving checkpoint; one W = 4 run resumes from it; the W = 1 resume and the
+One W = 2 run trains 3 steps and saves, has one rank's writer fail half-way through a second save
+(to a new path, then over the saved checkpoint itself), resumes from the surviving checkpoint, and
+saves Adam and SGD (momentum) runs whose learning rate a scheduler changed; one W = 4 run resumes
+from the first checkpoint and reloads the Adam and SGD ones; the W = 1 resume and reloads and the
 error cases run in the test process itself, without torch.distributed.
 """
 
@@ -18,8 +20,8 @@ from flashfsdp import checkpoint
 from flashfsdp.kernels.dispatch import use_backend
 from flashfsdp.models.llama import Llama, LlamaConfig
 from tests.harness import run_distributed
-from tests.models import llama_units, make_mlp
-from tests.training import make_model, train_flashfsdp, train_reference
+from tests.models import llama_units, loss_fn, make_batch, make_mlp
+from tests.training import gather_full_params, local_rows, make_model, train_flashfsdp, train_reference
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 FP32_PARAMS = dict(rtol=1e-5, atol=1e-5)
@@ -50,21 +52,110 @@ def _train_save_crash_resume(rank, world_size, out):
         raise OSError("simulated crash while writing")
 
     FileSystemWriter.write_data = crash if rank == 1 else original
+    crashed = []
     try:
-        checkpoint.save(os.path.join(out, "step_4"), model, opt, step=4)
-        crashed = None
-    except RuntimeError as exc:
-        crashed = f"{type(exc).__name__}: {exc}"
+        for path, step in ((os.path.join(out, "step_4"), 4), (os.path.join(out, "step_3"), 5)):
+            try:
+                checkpoint.save(path, model, opt, step=step)
+                crashed.append(None)
+            except RuntimeError as exc:
+                crashed.append(f"{type(exc).__name__}: {exc}")
     finally:
         FileSystemWriter.write_data = original
     newest = checkpoint.latest(out)
     resumed = train_flashfsdp("llama", rank, world_size, steps=3, global_batch=GLOBAL_BATCH, load_from=newest)
     return {"first": first, "crashed": crashed, "step_4_exists": os.path.exists(os.path.join(out, "step_4")),
-            "latest": newest, "resumed": resumed}
+            "latest": newest, "resumed": resumed, "scheduled": _save_scheduled(rank, world_size, out)}
+
+
+OPTIMIZERS = {"adam": lambda params: torch.optim.Adam(params, lr=0.1),
+              "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)}
+SCHEDULED_LR = 0.1 * 0.5**2  # StepLR(gamma=0.5) after 2 steps
+
+
+def _sharded_mlp(seed: int = 0):
+    model = make_mlp(seed)
+    for unit in model.units():
+        flashfsdp.fully_shard(unit)
+    return model
+
+
+def _full_optimizer_state(model, opt) -> dict:
+    """name -> {key: full tensor}, assembled from every rank's pieces (independent of the checkpoint code)."""
+    mine = {name: (p._flashfsdp_piece.param_start, tuple(p._flashfsdp_full_shape),
+                   {k: v.clone() for k, v in opt.state[p].items()}) for name, p in model.named_parameters()}
+    everyone = [mine]
+    if torch.distributed.is_initialized():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+    full = {}
+    for pieces in everyone:
+        for name, (start, shape, entries) in pieces.items():
+            for key, value in entries.items():
+                if value.dim() == 0:
+                    full.setdefault(name, {})[key] = value
+                else:
+                    flat = full.setdefault(name, {}).setdefault(key, torch.full(shape, float("nan"))).view(-1)
+                    flat[start : start + value.numel()] = value
+    return full
+
+
+def _optimizer_result(model, opt) -> dict:
+    return {"state": _full_optimizer_state(model, opt), "lr": opt.param_groups[0]["lr"],
+            "params": gather_full_params(model)}
+
+
+def _save_scheduled(rank, world_size, out) -> dict:
+    """Adam and SGD (momentum) on the MLP, 2 steps with StepLR halving lr each step; saved to out/<name>."""
+    saved = {}
+    for name, make in OPTIMIZERS.items():
+        model = _sharded_mlp()
+        opt = make(model.parameters())
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for step in range(2):
+            x, y = make_batch("mlp", step, GLOBAL_BATCH)
+            loss_fn("mlp", model(local_rows(x, rank, world_size)), local_rows(y, rank, world_size)).backward()
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+        checkpoint.save(os.path.join(out, name), model, opt, step=2)
+        saved[name] = _optimizer_result(model, opt)
+    return saved
+
+
+def _reload_scheduled(out) -> dict:
+    """Each of out/<name> loaded into a fresh model and optimizer (other seed, lr 1.0)."""
+    loaded = {}
+    for name, make in OPTIMIZERS.items():
+        model = _sharded_mlp(seed=5)
+        opt = make(model.parameters())
+        for group in opt.param_groups:
+            group["lr"] = 1.0
+        checkpoint.load(os.path.join(out, name), model, opt)
+        loaded[name] = _optimizer_result(model, opt)
+    return loaded
 
 
 def _resume(rank, world_size, path):
     return train_flashfsdp("llama", rank, world_size, steps=3, global_batch=GLOBAL_BATCH, load_from=path)
+
+
+def _resume_and_reload(rank, world_size, path, out):
+    return {"resumed": _resume(rank, world_size, path), "reloaded": _reload_scheduled(out)}
+
+
+def _assert_reloaded(loaded: dict, saved: dict) -> None:
+    """Optimizer state, learning rate (the scheduler's) and parameters as saved, exactly."""
+    for name in OPTIMIZERS:
+        got, want = loaded[name], saved[name]
+        assert got["lr"] == want["lr"] == SCHEDULED_LR, name
+        assert got["state"].keys() == want["state"].keys()
+        for param, entries in want["state"].items():
+            assert got["state"][param].keys() == entries.keys(), (name, param)
+            for key, value in entries.items():
+                torch.testing.assert_close(got["state"][param][key], value, rtol=0, atol=0, msg=f"{name} {param}.{key}")
+        for param, value in want["params"].items():
+            torch.testing.assert_close(got["params"][param], value, rtol=0, atol=0, msg=f"{name} {param}")
 
 
 def _assert_resumed(result, ref):
@@ -84,17 +175,20 @@ def test_save_at_2_crash_and_resume_at_1_2_4(saved, reference):
     path = os.path.join(out, "step_3")
     for r in results:
         torch.testing.assert_close(r["first"]["losses"], reference["losses"][:3], **FP32)
-        # the failed save raised on every rank and left no step_4; step_3 is still the newest
-        assert r["crashed"] is not None and "simulated crash" in r["crashed"]
+        # the failed saves raised on every rank and left no step_4; step_3 survived being saved over
+        # (the resume loaded its step 3, not 5) and is still the newest
+        assert len(r["crashed"]) == 2 and all(c is not None and "simulated crash" in c for c in r["crashed"])
         assert not r["step_4_exists"]
         assert r["latest"] == path
         _assert_resumed(r["resumed"], reference)
         assert r["resumed"]["loaded"]["extra"] == {"losses": r["first"]["losses"]}
     assert set(os.listdir(path)) == {".metadata", "__0_0.distcp", "__1_0.distcp", checkpoint.MARKER, "extra.pt"}
-    for r in run_distributed(_resume, 4, path):
-        _assert_resumed(r, reference)
+    for r in run_distributed(_resume_and_reload, 4, path, out):
+        _assert_resumed(r["resumed"], reference)
+        _assert_reloaded(r["reloaded"], results[0]["scheduled"])
     with use_backend("reference"):  # W = 1 in this process, torch.distributed not initialised
         _assert_resumed(_resume(0, 1, path), reference)
+        _assert_reloaded(_reload_scheduled(out), results[0]["scheduled"])
         plain = make_model("llama")  # an unwrapped model loads the sharded checkpoint too
         assert checkpoint.load(path, plain)["step"] == 3
         for name, p in plain.named_parameters():
