@@ -1,33 +1,57 @@
 """End-to-end training step: flashfsdp vs torch FSDP2 vs DDP vs unsharded, in one run.
 
-    python -m benchmarks.step [--world-size W] [--steps N] [--dim D --layers L --seq S --batch B]
+    python -m benchmarks.step [--cpu] [--world-size W] [--steps N] [--dim D --layers L --seq S --batch B] [--out DIR]
 
 Every system trains the same Llama-style model (``flashfsdp.models.llama``) from the same seed on
 the same batches with AdamW, one block per unit plus the root for the sharded systems. Per system:
-median step time over ``--steps`` timed steps after ``--warmup``, tokens/s (all ranks), peak memory
-per rank (CUDA: ``max_memory_allocated``; CPU: growth of the peak resident set over the run), and for
-flashfsdp the communication and exposed communication per step from ``flashfsdp.profile()``.
-"unsharded" trains each rank's own replica without any communication: the compute floor.
 
-Defaults: CPU, W = 2 ranks on gloo, a model whose step takes about a second; CUDA: W = every local
-GPU on NCCL (flashfsdp through CuPy), a ~1B-parameter model in bf16. Writes CSV, Markdown and PNGs
-(bars per system; a timeline of one flashfsdp step) to ``benchmarks/results/<device>/``.
+- ``step_ms``: median step time over ``--steps`` timed steps after ``--warmup`` (slowest rank);
+  ``tokens_per_s`` over all ranks.
+- ``peak_mem_MiB``: peak memory per rank (largest rank) from after the model is built and
+  sharded (or wrapped) to the end of the timed steps, the same for every system
+  (``benchmarks.common.PeakMemoryMeter``: CUDA ``max_memory_allocated``; CPU peak RSS).
+- ``overhead_ms`` = step time - the unsharded step time: what sharding or replication costs over
+  pure compute, exposed communication first. It is the measurable proxy of exposed communication
+  for systems without a trace (FSDP2, DDP), and is also reported for flashfsdp. "unsharded" runs
+  on the same W ranks at once, each rank training its own full replica on its own per-rank batch
+  (the same ``--batch`` sequences the other systems give each rank) with no communication at all:
+  the compute-only step under the same contention for cores.
+- flashfsdp only, from ``flashfsdp.profile()`` over ``--profile-steps`` extra steps (largest
+  rank): ``traced_comm_ms`` (busy time of the all-gather and reduce-scatter streams per step) and
+  ``traced_exposed_ms`` (time the compute stream waited on them per step); see
+  ``flashfsdp.runtime.trace``.
+
+Defaults follow the device that runs: CPU (no CUDA, or ``--cpu``): W = 2 ranks on gloo, a model
+whose step takes about a second, fp32; CUDA: W = every local GPU on NCCL (flashfsdp through CuPy),
+a ~1B-parameter model in bf16. Writes CSV, Markdown and PNGs (bars per system; a timeline of one
+flashfsdp step) to ``--out`` (default ``benchmarks/results/<device>/``).
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import contextlib
+import importlib
+import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from benchmarks.common import environment, environment_columns, format_table, results_dir, write_csv, write_markdown
-from benchmarks.distributed import run_ranks
+from benchmarks.common import (PeakMemoryMeter, bar_chart, environment, environment_columns, format_table,
+                               results_dir, write_csv, write_markdown)
+from benchmarks.distributed import run_ranks, single_process_group
 
 SYSTEMS = ("flashfsdp", "fsdp2", "ddp", "unsharded")
+# Defaults per device type: ("cuda" needs the GPUs' count, filled in by parse_args).
+DEFAULTS = {
+    "cpu": {"world_size": 2, "dim": 384, "layers": 6, "heads": 6, "seq": 128, "batch": 4, "param_dtype": "fp32"},
+    "cuda": {"world_size": None, "dim": 2048, "layers": 18, "heads": 16, "seq": 2048, "batch": 4, "param_dtype": "bf16"},
+}
+COLUMNS = ["system", "world_size", "params_M", "step_ms", "tokens_per_s", "peak_mem_MiB", "overhead_ms",
+           "traced_comm_ms", "traced_exposed_ms", "vs_fsdp2", "vs_unsharded"]
 
 
 def _model(args, device: torch.device) -> nn.Module:
@@ -65,12 +89,6 @@ def _wrap(system: str, model: nn.Module, args, device: torch.device) -> nn.Modul
     return model
 
 
-def _peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -78,12 +96,16 @@ def _sync(device: torch.device) -> None:
 
 def _run_system(rank: int, world_size: int, system: str, args) -> dict:
     torch.set_num_threads(max(1, args.threads))
-    device = torch.device("cuda", rank) if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    base = _peak_bytes(device) if device.type == "cpu" else 0
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    # Every system's libraries are loaded before the CPU baseline, so that none counts them.
+    for module in ("flashfsdp", "flashfsdp.models.llama", "torch.distributed.fsdp", "torch.nn.parallel"):
+        importlib.import_module(module)
+
+    memory = PeakMemoryMeter(device)
     model = _wrap(system, _model(args, device), args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # After sharding, before any step: the full model built before fully_shard does not count.
+    memory.reset()
     gen = torch.Generator().manual_seed(1000 + rank)
 
     def step() -> None:
@@ -103,12 +125,12 @@ def _run_system(rank: int, world_size: int, system: str, args) -> dict:
         step()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    out = {"step_ms": statistics.median(times), "peak_bytes": _peak_bytes(device) - base,
+    out = {"step_ms": statistics.median(times), "peak_bytes": memory.peak_bytes(), "memory": memory.description,
            "params": sum(p.numel() for p in _model(args, torch.device("meta")).parameters())}
-    if system == "flashfsdp":
+    if system == "flashfsdp" and args.profile_steps > 0:
         import flashfsdp  # noqa: PLC0415
 
-        with flashfsdp.profile() as prof:
+        with flashfsdp.profile(device.type) as prof:
             for _ in range(args.profile_steps):
                 step()
         summary = prof.summary()
@@ -142,36 +164,98 @@ def _timeline(path, spans) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> list[dict]:
+def parse_args(argv=None, cuda_available: bool | None = None) -> argparse.Namespace:
+    """The command line, with device-dependent defaults filled in for the device that will run.
+
+    Args:
+        argv: arguments (default ``sys.argv[1:]``).
+        cuda_available: whether CUDA may be used (default ``torch.cuda.is_available()``); with
+            ``--cpu`` or without CUDA every default is the CPU one.
+
+    Returns the namespace with ``device`` ("cpu" or "cuda") added.
+    Raises SystemExit (argparse's error) for a world size below 1 or a non-positive size.
+    """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    cuda = torch.cuda.is_available()
-    parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() if cuda else 2)
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks (default: 2 on CPU, every local GPU on CUDA)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is available")
-    parser.add_argument("--dim", type=int, default=2048 if cuda else 384)
-    parser.add_argument("--layers", type=int, default=18 if cuda else 6)
-    parser.add_argument("--heads", type=int, default=16 if cuda else 6)
-    parser.add_argument("--seq", type=int, default=2048 if cuda else 128)
-    parser.add_argument("--batch", type=int, default=4 if cuda else 4, help="sequences per rank per step")
-    parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16" if cuda else "fp32")
+    parser.add_argument("--dim", type=int, default=None, help="default: 384 on CPU, 2048 on CUDA")
+    parser.add_argument("--layers", type=int, default=None, help="default: 6 on CPU, 18 on CUDA")
+    parser.add_argument("--heads", type=int, default=None, help="default: 6 on CPU, 16 on CUDA")
+    parser.add_argument("--seq", type=int, default=None, help="default: 128 on CPU, 2048 on CUDA")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default 4)")
+    parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default=None,
+                        help="default: fp32 on CPU, bf16 on CUDA")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=3, help="traced flashfsdp steps (0: no trace)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (CPU)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every system, interleaved")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<device>/)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="W = 1 only: run every system in this process, not one fresh process per run "
+                             "(quick checks: the systems then share the process's memory and caches)")
     args = parser.parse_args(argv)
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    args.device = "cuda" if cuda_available and not args.cpu else "cpu"
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value if value is not None else max(1, torch.cuda.device_count()))
     if args.world_size < 1:
         parser.error("--world-size must be >= 1")
-    device = torch.device("cuda", 0) if cuda and not args.cpu else torch.device("cpu")
+    if args.in_process and args.world_size != 1:
+        parser.error(f"--in-process runs one rank: it needs --world-size 1, got {args.world_size}")
+    for key in ("dim", "layers", "heads", "seq", "batch", "steps", "rounds"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key} must be >= 1, got {getattr(args, key)}")
+    return args
+
+
+def _notes(args, backend: str, memory: str) -> list[str]:
+    if args.param_dtype == "bf16":
+        dtypes = ("dtypes: flashfsdp and FSDP2 keep fp32 parameters and AdamW state and compute in bf16 "
+                  "(MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)); DDP and unsharded run the model "
+                  "cast to bf16 as given (bf16 parameters, gradients, AdamW state and DDP all-reduce, no fp32 "
+                  "master copy), so their memory and step time are those of pure bf16 training, not of the same "
+                  "mixed precision.")
+    else:
+        dtypes = "dtypes: every system holds, computes and reduces in fp32 (no mixed precision)."
+    return [
+        f"Llama dim {args.dim}, {args.layers} layers, seq {args.seq}, {args.batch} sequences per rank, "
+        f"{args.param_dtype}; W = {args.world_size} ({backend}); median of {args.steps} steps after {args.warmup} "
+        f"warm-up, median over {args.rounds} interleaved rounds of every system.",
+        dtypes,
+        f"peak_mem_MiB: per rank (largest rank), from after the model is sharded/wrapped to the end of the timed "
+        f"steps, for every system alike: {memory}.",
+        "overhead_ms = step_ms - unsharded step_ms, for every system: the measurable proxy of exposed communication "
+        "(it also holds every other cost of sharding/replication: copy-in, packing, extra allocation). 'unsharded' "
+        "runs on the same W ranks at once, each training its own replica on its own per-rank batch, with no "
+        "communication: the compute-only step.",
+        "traced_comm_ms / traced_exposed_ms: flashfsdp only, from its own trace (flashfsdp.profile) over "
+        f"{args.profile_steps} extra steps, per step, largest rank: busy time of the all-gather and reduce-scatter "
+        "streams (collectives from issue to completion, union per stream) and time the compute stream waited on "
+        "them. FSDP2 and DDP have no such trace.",
+    ]
+
+
+def main(argv=None) -> list[dict]:
+    """Run the benchmark (see the module docstring); return the rows written."""
+    args = parse_args(argv)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     env = environment(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     rows, spans = [], None
     # Systems run in turn, round after round (A B C D A B C D ...), so that a machine whose speed
     # drifts (shared CPU cores) slows every system alike; each figure is the median over rounds.
     rounds: dict[str, list[list[dict]]] = {system: [] for system in args.systems}
-    for _ in range(args.rounds):
-        for system in args.systems:
-            rounds[system].append(run_ranks(_run_system, args.world_size, system, args, backend=backend))
+    with single_process_group(backend) if args.in_process else contextlib.nullcontext():
+        for _ in range(args.rounds):
+            for system in args.systems:
+                rounds[system].append(run_ranks(_run_system, args.world_size, system, args, backend=backend,
+                                                in_process=args.in_process))
+    memory = "?"
     for system in args.systems:
         runs = rounds[system]
         results = runs[0]
@@ -179,37 +263,40 @@ def main(argv=None) -> list[dict]:
             if key in results[0]:
                 for rank, r in enumerate(results):
                     r[key] = statistics.median(run[rank][key] for run in runs)
+        memory = results[0]["memory"]
         step_ms = max(r["step_ms"] for r in results)
         tokens = args.world_size * args.batch * args.seq
         row = {"system": system, "world_size": args.world_size, "params_M": results[0]["params"] / 1e6,
                "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1e3),
                "peak_mem_MiB": max(r["peak_bytes"] for r in results) / 2**20,
-               "comm_ms": results[0].get("comm_ms", float("nan")),
-               "exposed_ms": results[0].get("exposed_ms", float("nan")), **env.stamp()}
+               "traced_comm_ms": max((r["comm_ms"] for r in results if "comm_ms" in r), default=math.nan),
+               "traced_exposed_ms": max((r["exposed_ms"] for r in results if "exposed_ms" in r), default=math.nan),
+               **env.stamp()}
         spans = results[0].get("spans", spans)
         rows.append(row)
     by = {r["system"]: r for r in rows}
     for r in rows:
-        r["vs_fsdp2"] = r["step_ms"] / by["fsdp2"]["step_ms"] if "fsdp2" in by else float("nan")
-        r["vs_unsharded"] = r["step_ms"] / by["unsharded"]["step_ms"] if "unsharded" in by else float("nan")
-    columns = ["system", "world_size", "params_M", "step_ms", "tokens_per_s", "peak_mem_MiB", "comm_ms",
-               "exposed_ms", "vs_fsdp2", "vs_unsharded"]
+        r["overhead_ms"] = r["step_ms"] - by["unsharded"]["step_ms"] if "unsharded" in by else math.nan
+        r["vs_fsdp2"] = r["step_ms"] / by["fsdp2"]["step_ms"] if "fsdp2" in by else math.nan
+        r["vs_unsharded"] = r["step_ms"] / by["unsharded"]["step_ms"] if "unsharded" in by else math.nan
+    rows = [{c: r[c] for c in COLUMNS} | env.stamp() for r in rows]
     print(f"{env.device_name}: W={args.world_size} {backend}, Llama dim {args.dim} x {args.layers} layers, "
           f"seq {args.seq}, {args.batch} seq/rank, {args.param_dtype}")
-    print(format_table(rows, columns))
-    out = results_dir(env.slug)
+    print(format_table(rows, COLUMNS))
+    out = args.out if args.out is not None else results_dir(env.slug)
+    out.mkdir(parents=True, exist_ok=True)
     tag = f"step_w{args.world_size}"
     write_csv(rows, out / f"{tag}.csv")
-    notes = [f"Llama dim {args.dim}, {args.layers} layers, seq {args.seq}, {args.batch} sequences per rank, "
-             f"{args.param_dtype}; W = {args.world_size} ({backend}); median of {args.steps} steps after "
-             f"{args.warmup} warm-up, median over {args.rounds} interleaved rounds of every system; peak memory per rank ({'max_memory_allocated' if cuda else 'peak RSS growth'}).",
-             "comm/exposed: flashfsdp's own trace (flashfsdp.profile), per step; other systems not traced."]
-    write_markdown(rows, columns + environment_columns(), out / f"{tag}.md", title="Training step", env=env, notes=notes)
-    from benchmarks.common import bar_chart  # noqa: PLC0415
-
-    bar_chart(out / f"{tag}.png", {"step time (ms)": ([r["system"] for r in rows], {"step_ms": [r["step_ms"] for r in rows]}),
-                                  "peak memory per rank (MiB)": ([r["system"] for r in rows], {"peak": [r["peak_mem_MiB"] for r in rows]})},
-              ylabel="", title=f"Training step, W={args.world_size}, {env.device_name}")
+    write_markdown(rows, COLUMNS + environment_columns(), out / f"{tag}.md", title="Training step", env=env,
+                   notes=_notes(args, backend, memory))
+    names = [r["system"] for r in rows]
+    bar_chart(out / f"{tag}.png", {
+        "step time (ms)": (names, {"step_ms": [r["step_ms"] for r in rows]}),
+        "communication overhead per step (ms)": (names, {
+            "step - unsharded step": [r["overhead_ms"] for r in rows],
+            "traced exposed (flashfsdp)": [r["traced_exposed_ms"] for r in rows]}),
+        "peak memory per rank (MiB)": (names, {"peak": [r["peak_mem_MiB"] for r in rows]}),
+    }, ylabel="", title=f"Training step, W={args.world_size}, {env.device_name}")
     if spans:
         _timeline(out / f"{tag}_timeline.png", spans)
     return rows
