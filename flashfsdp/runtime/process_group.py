@@ -22,7 +22,8 @@ this rank's chunk into the output. That LambdaWork has no future and never repor
 (``is_completed()`` stays False), so its completion could not be timed. On gloo this module
 therefore issues the very same steps itself (:class:`_AllReduceChunk`): the same clone, the same
 asynchronous all-reduce (whose gloo work has a future), the same copy at ``wait()``. The cost is
-unchanged; the completion becomes measurable.
+unchanged; the completion becomes measurable: it is the all-reduce's, and the chunk copy that
+follows at ``wait()`` runs on the waiting thread as host work (``S`` elements), not communication.
 """
 
 from __future__ import annotations
