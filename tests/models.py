@@ -9,7 +9,8 @@ from flashfsdp.models.llama import Llama, LlamaConfig
 
 
 class Bias(nn.Module):
-    """A unit made of one bias vector (uneven sizes: 3 elements, fewer than W = 4)."""
+    """A unit made of one bias vector of ``n`` elements (MLPStack's has d = 13: not divisible by
+    W = 2 or 4, so the last rank's shard is partly padding)."""
 
     def __init__(self, n: int):
         super().__init__()
@@ -32,7 +33,12 @@ class MLPBlock(nn.Module):
 
 
 class MLPStack(nn.Module):
-    """Input projection, a stack of MLP blocks, a one-bias unit, an output head."""
+    """Input projection, a stack of MLP blocks, a one-bias unit, an output head.
+
+    The uneven sizes the parity tests need: ``head.bias`` has ``d_out`` = 3 elements, fewer than
+    W = 4 (some ranks hold an empty piece of it); ``shift`` is a unit of one 13-element bias; no
+    weight has a size divisible by 4.
+    """
 
     def __init__(self, d_in: int = 7, d: int = 13, h: int = 21, n_blocks: int = 3, d_out: int = 3):
         super().__init__()

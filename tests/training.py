@@ -3,6 +3,8 @@
 Every loop trains the same model from the same seed on the same global batches with AdamW. The
 sharded loops give rank r rows [r·B, (r+1)·B) of each global batch of W·B rows; the reference
 trains one process on the whole global batch. Losses are reported as the global mean.
+``repeat_batch`` trains on step 0's batch at every step: the tokens are random, so only then does
+the model learn something (it memorises the batch) and the loss falls clearly.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import flashfsdp
+from flashfsdp.runtime.communicator import Communicator
 from tests.models import llama_units, loss_fn, make_batch, make_llama, make_mlp
 
 MICRO_BATCH = 2
@@ -24,6 +27,35 @@ def make_model(kind: str) -> nn.Module:
 
 def units_of(kind: str, model: nn.Module) -> list[nn.Module]:
     return model.units() if kind == "mlp" else llama_units(model)
+
+
+class CountingCommunicator(Communicator):
+    """Delegates every collective to a real communicator and records each reduce-scatter's input
+    size and dtype (``reduce_scatter_numels``, ``reduce_scatter_dtypes``), so tests can count the
+    gradient communication."""
+
+    def __init__(self, inner: Communicator):
+        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.group = getattr(inner, "group", None)
+        self.reduce_scatter_numels: list[int] = []
+        self.reduce_scatter_dtypes: list[torch.dtype] = []
+
+    def all_gather_into_tensor(self, out, inp):
+        return self.inner.all_gather_into_tensor(out, inp)
+
+    def reduce_scatter_tensor(self, out, inp, op="sum"):
+        self.reduce_scatter_numels.append(inp.numel())
+        self.reduce_scatter_dtypes.append(inp.dtype)
+        return self.inner.reduce_scatter_tensor(out, inp, op)
+
+    def all_reduce(self, tensor, op="sum"):
+        return self.inner.all_reduce(tensor, op)
+
+    def broadcast(self, tensor, src):
+        return self.inner.broadcast(tensor, src)
+
+    def barrier(self):
+        self.inner.barrier()
 
 
 def local_rows(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -59,43 +91,73 @@ def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None,
-                    grad_accum: int = 1, max_norm: float | None = None, checkpoint: bool = False,
-                    reshard_after_forward: bool = True, global_batch: int | None = None,
-                    load_from: str | None = None, save_to: str | None = None,
-                    full_state_dict: bool = False) -> dict:
+                    grad_accum: int = 1, max_norm: float | None = None, norm_type: float = 2.0,
+                    checkpoint: bool | str = False, reshard_after_forward: bool | int | None = True,
+                    global_batch: int | None = None, load_from: str | None = None, save_to: str | None = None,
+                    full_state_dict: bool = False, lr: float = LR, repeat_batch: bool = False,
+                    use_mesh: bool = False, communicator: Communicator | None = None,
+                    keep_unsharded_between_micro_batches: bool = False) -> dict:
     """Train with flashfsdp; return global-mean losses, norms and the full parameters.
 
     Optional: ``global_batch`` rows per step independent of W (default ``MICRO_BATCH·W``);
     ``load_from`` a ``flashfsdp.checkpoint`` directory first and continue from its step (the result's
     "loaded" holds what ``load`` returned); ``save_to`` a checkpoint after the last step (extra: the
-    losses); ``full_state_dict`` adds ``flashfsdp.get_full_state_dict(model)`` (rank 0; {} elsewhere).
+    losses); ``full_state_dict`` adds ``flashfsdp.get_full_state_dict(model)`` (rank 0; {} elsewhere);
+    ``checkpoint``: True or "reentrant" routes each block through activation checkpointing
+    (non-reentrant / reentrant); ``use_mesh`` shards over ``init_device_mesh("cpu", (W,))``;
+    ``communicator`` is passed to every fully_shard call (a :class:`CountingCommunicator` adds
+    "reduce_scatters": how many each micro-batch's backward issued);
+    ``keep_unsharded_between_micro_batches`` calls ``set_reshard_after_backward(False)`` on all but
+    the last micro-batch and adds "unsharded_after_no_sync": per such micro-batch, whether every
+    unit still held its unsharded parameters after backward.
     """
     model = make_model(kind)
     kwargs = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if use_mesh:
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+        kwargs["mesh"] = init_device_mesh("cpu", (world_size,))
+    if communicator is not None:
+        kwargs["communicator"] = communicator
     for unit in units_of(kind, model):
         flashfsdp.fully_shard(unit, **kwargs)
     if checkpoint:
-        _checkpoint_blocks(kind, model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        _checkpoint_blocks(kind, model, reentrant=checkpoint == "reentrant")
+    states = [m._flashfsdp_state for m in model.modules() if hasattr(m, "_flashfsdp_state")]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, norms, result = [], [], {}
+    counting = communicator if isinstance(communicator, CountingCommunicator) else None
+    if counting is not None:
+        result["reduce_scatters"] = []
+    if keep_unsharded_between_micro_batches:
+        result["unsharded_after_no_sync"] = []
     start = 0
     if load_from is not None:
         result["loaded"] = flashfsdp.checkpoint.load(load_from, model, opt)
         start = result["loaded"]["step"]
     for step in range(start, start + steps):
-        x, y = make_batch(kind, step, (global_batch or MICRO_BATCH * world_size) * grad_accum)
+        x, y = make_batch(kind, 0 if repeat_batch else step, (global_batch or MICRO_BATCH * world_size) * grad_accum)
         x, y = local_rows(x, rank, world_size), local_rows(y, rank, world_size)
         total = torch.zeros(())
         for micro in range(grad_accum):
-            model.set_requires_gradient_sync(micro == grad_accum - 1)
+            last = micro == grad_accum - 1
+            model.set_requires_gradient_sync(last)
+            if keep_unsharded_between_micro_batches:
+                model.set_reshard_after_backward(last)
+            issued = len(counting.reduce_scatter_numels) if counting is not None else 0
             xm, ym = x.chunk(grad_accum)[micro], y.chunk(grad_accum)[micro]
             loss = loss_fn(kind, model(xm), ym) / grad_accum
             loss.backward()
             total += loss.detach()
+            if counting is not None:
+                result["reduce_scatters"].append(len(counting.reduce_scatter_numels) - issued)
+            if keep_unsharded_between_micro_batches and not last:
+                result["unsharded_after_no_sync"].append(
+                    all(s.unit.memory_bytes()["unsharded"] > 0 and s.holds_unsharded for s in states))
         if max_norm is not None:
-            norms.append(flashfsdp.clip_grad_norm_(model, max_norm).item())
+            norms.append(flashfsdp.clip_grad_norm_(model, max_norm, norm_type).item())
         opt.step()
         opt.zero_grad()
         if world_size > 1:
@@ -109,21 +171,21 @@ def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp
 
 
 def train_reference(kind: str, world_size: int, steps: int = 5, *, grad_accum: int = 1,
-                    max_norm: float | None = None, dtype: torch.dtype | None = None,
-                    state_dict: bool = False) -> dict:
+                    max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None,
+                    state_dict: bool = False, lr: float = LR, repeat_batch: bool = False) -> dict:
     """The replicated reference: one process, the whole global batch, AdamW.
 
     ``state_dict`` adds the trained model's ``state_dict()`` (cloned) under "state_dict".
     """
     model = make_model(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, norms = [], []
     for step in range(steps):
-        x, y = make_batch(kind, step, MICRO_BATCH * world_size * grad_accum)
+        x, y = make_batch(kind, 0 if repeat_batch else step, MICRO_BATCH * world_size * grad_accum)
         loss = loss_fn(kind, model(x), y)
         loss.backward()
         if max_norm is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -133,7 +195,8 @@ def train_reference(kind: str, world_size: int, steps: int = 5, *, grad_accum: i
     return result
 
 
-def train_torch_fsdp2(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None) -> dict:
+def train_torch_fsdp2(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None,
+                      lr: float = LR, repeat_batch: bool = False) -> dict:
     """Train with ``torch.distributed.fsdp.fully_shard`` on the same seeds and batches."""
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
@@ -141,10 +204,10 @@ def train_torch_fsdp2(kind: str, rank: int, world_size: int, steps: int = 5, *, 
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for unit in units_of(kind, model):
         fully_shard(unit, **kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        x, y = make_batch(kind, step, MICRO_BATCH * world_size)
+        x, y = make_batch(kind, 0 if repeat_batch else step, MICRO_BATCH * world_size)
         loss = loss_fn(kind, model(local_rows(x, rank, world_size)), local_rows(y, rank, world_size))
         loss.backward()
         opt.step()
@@ -156,21 +219,23 @@ def train_torch_fsdp2(kind: str, rank: int, world_size: int, steps: int = 5, *, 
     return {"losses": losses, "params": params}
 
 
-def _checkpoint_blocks(kind: str, model: nn.Module) -> None:
-    """Route each block's call through non-reentrant activation checkpointing."""
+def _checkpoint_blocks(kind: str, model: nn.Module, reentrant: bool = False) -> None:
+    """Route each block's call through activation checkpointing (non-reentrant by default)."""
     parent = model.blocks if kind == "mlp" else model.layers
     for i, block in enumerate(list(parent)):
-        parent[i] = _Checkpointed(block)
+        parent[i] = Checkpointed(block, reentrant)
 
 
-class _Checkpointed(nn.Module):
-    """Calls ``torch.utils.checkpoint.checkpoint(inner, x)``: the FSDP hooks run inside it."""
+class Checkpointed(nn.Module):
+    """Calls ``torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=reentrant)``: the
+    FSDP hooks of ``inner`` run inside it, and again in the recomputation during backward."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, reentrant: bool = False):
         super().__init__()
         self.inner = inner
+        self.reentrant = reentrant
 
     def forward(self, *args):
         from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
 
-        return checkpoint(self.inner, *args, use_reentrant=False)
+        return checkpoint(self.inner, *args, use_reentrant=self.reentrant)
