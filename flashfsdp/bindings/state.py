@@ -8,6 +8,15 @@ flight) and queues the final callback of every backward.
 Module parameters: outside forward/backward each registration ``(submodule, name)`` holds the
 sharded local piece; from unshard to reshard it holds the full-shape view into the unsharded
 buffer (swapped in ``_parameters`` directly, as FSDP2's ``unsafe_setattr_param`` does).
+
+[Note: recomputation]
+``torch.utils.checkpoint`` runs a unit's forward a second time inside backward. Its pre-forward
+then only unshards and casts the inputs exactly as the first forward did (``cast_forward_inputs``;
+the post-forward casts to ``output_dtype`` again), so the recomputed tensors have the forward's
+dtypes. It also hooks the post-backward on the recomputed inputs: with reentrant checkpointing the
+forward ran without grad, so only this hook reduces and reshards the unit right after its backward;
+with non-reentrant checkpointing the recomputed graph is never backpropagated and the hook never
+fires (the first forward's hook does).
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ class FSDPState:
             (more than one for shared parameters such as tied embeddings).
         mp_policy: the mixed-precision policy.
         reshard_after_forward: free the unsharded parameters after forward (re-gather in backward).
+        class_name: the module's class before fully_shard made it ``FSDP<ClassName>`` (for errors).
     """
 
     def __init__(
@@ -75,8 +85,10 @@ class FSDPState:
         registrations: list[list[tuple[nn.Module, str]]],
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool,
+        class_name: str | None = None,
     ):
         self.module = module
+        self.class_name = class_name or type(module).__name__
         self.unit = unit
         self.registrations = registrations
         self.mp_policy = mp_policy
@@ -86,6 +98,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.ctx: RootContext | None = None
         self.max_inflight = 2  # prefetched units ahead of compute, when this state is the root
+        self.max_inflight_set = False  # set_max_inflight_all_gathers was called (only the root may)
         self.explicit_forward_prefetch: list[FSDPState] | None = None
         self.explicit_backward_prefetch: list[FSDPState] | None = None
         # The registrations still hold the original full parameters: install the pieces.
@@ -136,11 +149,24 @@ class FSDPState:
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:
+        """Become the root of every state in this module's subtree (first forward only).
+
+        Raises:
+            ValueError: ``set_max_inflight_all_gathers`` was called on a module of the subtree
+                other than this root (only the root's limit is used).
+        """
         if self.ctx is not None:
             return
         states = [m._flashfsdp_state for m in self.module.modules() if hasattr(m, "_flashfsdp_state")]
-        ctx = RootContext(root=self, states=states, policy=PrefetchPolicy(max_inflight=self.max_inflight))
         names = {id(m): n for n, m in self.module.named_modules()}
+        for state in states:
+            if state is not self and state.max_inflight_set:
+                raise ValueError(
+                    f"set_max_inflight_all_gathers was called on '{names[id(state.module)]}' "
+                    f"({state.class_name}), which is not the root: only the root's limit is used; "
+                    f"call it on the root module ({self.class_name}) instead"
+                )
+        ctx = RootContext(root=self, states=states, policy=PrefetchPolicy(max_inflight=self.max_inflight))
         for state in states:
             state.ctx = ctx
             state.unit.name = names[id(state.module)] or "<root>"
@@ -157,9 +183,12 @@ class FSDPState:
     # ------------------------------------------------------------------ forward hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if in_backward():
-            # Activation recomputation inside backward: parameters are needed, hooks are not.
+            # Activation recomputation inside backward (torch.utils.checkpoint): the parameters are
+            # needed and the inputs get the forward's cast, so the recomputation matches the forward;
+            # the scheduling hooks are not. See [Note: recomputation].
             self.wait_unshard()
-            return args, kwargs
+            args, kwargs = self._cast_inputs(args, kwargs)
+            return self._register_post_backward(args, kwargs)
         self._lazy_init()
         ctx = self.ctx
         if self.is_root:
@@ -180,11 +209,26 @@ class FSDPState:
         ctx.order.record(self)
         self.wait_unshard()
         self._prefetch(ctx.policy.forward_targets(self, ctx.order, self.explicit_forward_prefetch))
+        args, kwargs = self._cast_inputs(args, kwargs)
+        args, kwargs = self._register_post_backward(args, kwargs)
+        self._mark_compute_start()
+        return args, kwargs
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Floating-point inputs cast to ``param_dtype`` if the policy asks for it."""
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        if self.unit.groups and any(g.requires_grad for g in self.unit.groups):
+        return args, kwargs
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Hook the post-backward on the inputs that require grad, if the unit has parameters.
+
+        Also for units whose parameters are all frozen: they reduce nothing, but the hook is what
+        reshards them as soon as their backward is done (else they would stay unsharded until the
+        final callback, every frozen unit at once).
+        """
+        if self.unit.groups:
             args, kwargs = apply_to_tensors(self._post_backward, (args, kwargs))
-        self._mark_compute_start()
         return args, kwargs
 
     def _mark_compute_start(self) -> None:
@@ -199,7 +243,7 @@ class FSDPState:
 
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if in_backward():
-            return output
+            return self._cast_output(output)
         self._mark_compute_end("forward")
         if self.ctx is not None:
             self.ctx.order.record_post_forward(self)
@@ -214,6 +258,10 @@ class FSDPState:
             self.reshard(to_secondary=True)
         self.training_state = TrainingState.IDLE
         output = apply_to_tensors(self._pre_backward, output)
+        return self._cast_output(output)
+
+    def _cast_output(self, output):
+        """Floating-point outputs cast to ``output_dtype`` if the policy sets one."""
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output

@@ -34,7 +34,7 @@ class FlatParam:
     Args:
         params: the original full parameters (any shapes, one floating dtype, one requires_grad),
             identical on every rank; read once to build this rank's shard.
-        fqns: a fully-qualified name per parameter (for errors and state dicts).
+        fqns: a name per parameter (for errors and state dicts); see :meth:`prefix_fqns`.
         rank, world_size: this rank and W.
         param_dtype: dtype of the unsharded buffer (forward/backward compute).
         device: where the shard and buffers live.
@@ -100,6 +100,17 @@ class FlatParam:
         param._flashfsdp_fqn = self.fqns[i]
         param._flashfsdp_piece = pc
         return param
+
+    def prefix_fqns(self, prefix: str) -> None:
+        """Prepend ``prefix`` (e.g. ``"layers.0."``) to every parameter's name, in ``fqns`` and on
+        the sharded pieces' ``_flashfsdp_fqn``.
+
+        The bindings name a unit's parameters relative to the module it was built from, and call
+        this when an enclosing module's unit is built, so that the names end up fully qualified.
+        """
+        self.fqns = [prefix + fqn for fqn in self.fqns]
+        for param, fqn in zip(self.sharded_params, self.fqns):
+            param._flashfsdp_fqn = fqn
 
     @property
     def shard_range(self) -> tuple[int, int]:

@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 import flashfsdp
-from flashfsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from flashfsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from flashfsdp.runtime.communicator import LocalCommunicator
 from tests.harness import run_distributed
 
 
@@ -41,8 +42,14 @@ def test_integer_parameter_can_be_ignored():
 def test_parameters_already_in_another_unit():
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     fully_shard(model)
-    with pytest.raises(ValueError, match=r"parameter 'weight' already belongs to another unit .*bottom-up"):
+    with pytest.raises(ValueError, match=r"parameter 'weight' of Linear already belongs to the unit of an earlier "
+                                         r"fully_shard call \(unit 'Sequential', where it is '0.weight'\); .*bottom-up"):
         fully_shard(model[0])
+
+
+def test_a_list_of_modules():
+    with pytest.raises(TypeError, match=r"got a list of 2; pass one module; call fully_shard on each"):
+        fully_shard([nn.Linear(3, 3), nn.Linear(3, 3)])
 
 
 def test_inputs_on_the_wrong_device():
@@ -54,6 +61,23 @@ def test_inputs_on_the_wrong_device():
 def test_unshard_on_a_module_fully_shard_never_touched():
     with pytest.raises(ValueError, match=r"unshard: Linear is not a fully_shard'ed module; call flashfsdp.fully_shard on it first"):
         FSDPModule.unshard(nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: FSDPModule.reshard(m),
+    lambda m: FSDPModule.set_requires_gradient_sync(m, False),
+    lambda m: FSDPModule.set_reshard_after_backward(m, False),
+    lambda m: FSDPModule.set_reshard_after_forward(m, False),
+    lambda m: FSDPModule.set_max_inflight_all_gathers(m, 1),
+    lambda m: FSDPModule.set_modules_to_forward_prefetch(m, []),
+    lambda m: FSDPModule.set_modules_to_backward_prefetch(m, []),
+], ids=["reshard", "requires_gradient_sync", "reshard_after_backward", "reshard_after_forward",
+        "max_inflight", "forward_prefetch", "backward_prefetch"])
+def test_fsdp_module_methods_on_a_module_fully_shard_never_touched(call):
+    # recurse=True must not silently act on the fully_shard'ed children only
+    model = nn.Sequential(fully_shard(nn.Linear(3, 3)))
+    with pytest.raises(ValueError, match=r"Sequential is not a fully_shard'ed module; call flashfsdp.fully_shard"):
+        call(model)
 
 
 def test_prefetch_list_with_a_plain_module():
@@ -76,8 +100,26 @@ def test_single_rank_without_process_group_works(monkeypatch):
 
 
 def test_cpu_offload_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="CPUOffloadPolicy is not supported yet"):
-        fully_shard(nn.Linear(3, 3), offload_policy=CPUOffloadPolicy())
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy  # noqa: PLC0415
+
+    for policy in (CPUOffloadPolicy(), TorchCPUOffloadPolicy()):
+        with pytest.raises(NotImplementedError, match="CPUOffloadPolicy \\(CPU offload\\) is not supported yet; pass "
+                                                      "offload_policy=None"):
+            fully_shard(nn.Linear(3, 3), offload_policy=policy)
+
+
+def test_no_offload_policies_are_accepted():
+    from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy  # noqa: PLC0415
+
+    for policy in (None, OffloadPolicy(), TorchOffloadPolicy()):
+        model = fully_shard(nn.Linear(3, 3), offload_policy=policy)
+        model(torch.randn(2, 3)).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_offload_policy_of_another_type():
+    with pytest.raises(TypeError, match=r"offload_policy must be None or OffloadPolicy\(\).*got 'cpu'"):
+        fully_shard(nn.Linear(3, 3), offload_policy="cpu")
 
 
 def test_unknown_communicator():
@@ -108,20 +150,50 @@ def test_all_gather_with_grad_needs_a_dimension():
         flashfsdp.all_gather_with_grad(torch.tensor(1.0))
 
 
-def _two_d_mesh(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+def _mesh_errors(rank, world_size):
+    """The message of each bad mesh use (None where none was raised), on one spawn of W = 2."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: PLC0415
 
-    mesh = init_device_mesh("cpu", (1, 1))
-    try:
-        fully_shard(nn.Linear(3, 3), mesh=mesh)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    cases = {
+        "two_d": lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (2, 1))),
+        # A CUDA mesh built without touching CUDA (no backend), against a CPU module.
+        "device_type": lambda: fully_shard(nn.Linear(3, 3), mesh=DeviceMesh("cuda", torch.arange(2), _init_backend=False)),
+        "communicator": lambda: fully_shard(nn.Linear(3, 3), mesh=init_device_mesh("cpu", (2,)),
+                                            communicator=LocalCommunicator()),
+    }
+    messages = {}
+    for name, case in cases.items():
+        try:
+            case()
+            messages[name] = None
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
 
 
-def test_mesh_that_is_not_one_dimensional():
-    (message,) = run_distributed(_two_d_mesh, 1)
-    assert message is not None and "mesh must be a 1-D DeviceMesh, got 2" in message
+@pytest.fixture(scope="module")
+def mesh_errors():
+    return run_distributed(_mesh_errors, 2)
+
+
+def test_mesh_that_is_not_one_dimensional(mesh_errors):
+    for messages in mesh_errors:
+        assert messages["two_d"] is not None and "mesh must be a 1-D DeviceMesh, got 2" in messages["two_d"]
+
+
+def test_mesh_of_another_device_type_than_the_module(mesh_errors):
+    for messages in mesh_errors:
+        assert messages["device_type"] is not None
+        assert "mesh is of device type 'cuda' but the module's parameters are on cpu" in messages["device_type"]
+
+
+def test_communicator_that_does_not_match_the_mesh(mesh_errors):
+    for rank, messages in enumerate(mesh_errors):
+        assert messages["communicator"] == (
+            f"fully_shard: communicator LocalCommunicator has world size 1 and rank 0, but the mesh's group has "
+            f"world size 2 and this process is its rank {rank}; pass a communicator over the mesh's group, or "
+            f"communicator='auto' to build one"
+        )
 
 
 def test_max_inflight_must_be_a_non_negative_integer():
@@ -130,9 +202,33 @@ def test_max_inflight_must_be_a_non_negative_integer():
         model.set_max_inflight_all_gathers(-1)
 
 
+def _two_units():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    fully_shard(model[0])
+    return fully_shard(model)
+
+
+def test_max_inflight_on_a_non_root_before_the_first_forward():
+    model = _two_units()
+    model[0].set_max_inflight_all_gathers(0)
+    for _ in range(2):  # refused at every forward, not only the first
+        with pytest.raises(ValueError, match=r"set_max_inflight_all_gathers was called on '0' \(Linear\), which is "
+                                             r"not the root: .*call it on the root module \(Sequential\)"):
+            model(torch.randn(2, 3))
+
+
+def test_max_inflight_on_a_non_root_after_the_first_forward():
+    model = _two_units()
+    model(torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"'0' is not the root \(its root is Sequential\); .*call it on the root"):
+        model[0].set_max_inflight_all_gathers(0)
+    model.set_max_inflight_all_gathers(0)  # the root may
+    model(torch.randn(2, 3)).sum().backward()
+
+
 def test_reshard_after_forward_int_must_divide_the_world_size():
     fully_shard(nn.Linear(3, 3), reshard_after_forward=1)  # W = 1 here: 1 is both "all ranks" and "none"
     with pytest.raises(ValueError, match=r"reshard_after_forward=2 must be a group size that divides the world size 1"):
         fully_shard(nn.Linear(3, 3), reshard_after_forward=2)
-    with pytest.raises(TypeError, match="reshard_after_forward must be a bool or an int"):
+    with pytest.raises(TypeError, match="reshard_after_forward must be a bool, an int or None"):
         fully_shard(nn.Linear(3, 3), reshard_after_forward="yes")

@@ -1,0 +1,91 @@
+"""The FSDP2-compatible surface of fully_shard and FSDPModule: parameter names, FSDP2's defaults,
+manual unshard/reshard."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import flashfsdp
+from tests.harness import run_distributed
+from tests.models import make_llama
+from tests.training import gather_full_params, local_rows
+
+
+def test_sharded_parameters_carry_fully_qualified_names():
+    """Three nesting levels (attention, block, root), so grandchildren get their prefix too."""
+    model = make_llama()
+    names = [n for n, _ in make_llama().named_parameters()]
+    for layer in model.layers:
+        flashfsdp.fully_shard(layer.attention)
+        flashfsdp.fully_shard(layer)
+    flashfsdp.fully_shard(model)
+    pieces = list(model.named_parameters())
+    assert [n for n, _ in pieces] == names
+    for name, piece in pieces:
+        assert piece._flashfsdp_fqn == name
+    fqns = [fqn for m in model.modules() if hasattr(m, "_flashfsdp_state")
+            for g in m._flashfsdp_state.unit.groups for fqn in g.fqns]
+    assert sorted(fqns) == sorted(names)
+    assert "layers.1.attention.wq.weight" in fqns
+
+
+def test_reshard_after_forward_none_is_fsdp2_default():
+    """None: non-root units reshard after forward, the root keeps its parameters for backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    flashfsdp.fully_shard(model[0], reshard_after_forward=None)
+    flashfsdp.fully_shard(model, reshard_after_forward=None)
+    x = torch.randn(3, 4)
+    out = model(x)
+    assert model[0]._flashfsdp_state.unit.memory_bytes()["unsharded"] == 0
+    assert model._flashfsdp_state.unit.memory_bytes()["unsharded"] > 0
+    out.sum().backward()
+    ref(x).sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad.reshape(-1), msg=name)
+
+
+def _manual_unshard(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    ref = copy.deepcopy(model)
+    flashfsdp.fully_shard(model[0])
+    flashfsdp.fully_shard(model)
+    x = torch.randn(2 * world_size, 5, generator=torch.Generator().manual_seed(1))
+    handle = model[0].unshard(async_op=True)
+    unsharded_before_wait = isinstance(handle, flashfsdp.UnshardHandle)
+    handle.wait()
+    handle.wait()  # a second wait does nothing
+    model.unshard()
+    full_shapes = [tuple(p.shape) for p in model.parameters()]
+    out = model(local_rows(x, rank, world_size))
+    out.pow(2).sum().backward()
+    model.reshard()
+    model[0].reshard()
+    piece_dims = [p.dim() for p in model.parameters()]
+    held = [m._flashfsdp_state.unit.memory_bytes()["unsharded"] for m in (model, model[0])]
+    # The sum over ranks' rows of the squared outputs: the gradient is the sum of the ranks'.
+    grads = {n: (p._flashfsdp_piece.param_start, p.grad.clone() * world_size) for n, p in model.named_parameters()}
+    ref(x).pow(2).sum().backward()
+    return {
+        "handle": unsharded_before_wait, "full_shapes": full_shapes, "piece_dims": piece_dims, "held": held,
+        "out": out.detach(), "want_out": ref(local_rows(x, rank, world_size)).detach(), "grads": grads,
+        "ref_grads": {n: p.grad.reshape(-1) for n, p in ref.named_parameters()},
+        "params": gather_full_params(model), "ref_params": {n: p.detach() for n, p in ref.named_parameters()},
+    }
+
+
+def test_manual_unshard_async_and_reshard_around_forward():
+    for r in run_distributed(_manual_unshard, 2):
+        assert r["handle"]
+        assert r["full_shapes"] == [(6, 5), (6,), (3, 6), (3,)]  # full views while unsharded
+        assert r["piece_dims"] == [1, 1, 1, 1] and r["held"] == [0, 0]  # pieces again after reshard
+        torch.testing.assert_close(r["out"], r["want_out"], rtol=1e-6, atol=1e-6)
+        for name, (start, grad) in r["grads"].items():
+            torch.testing.assert_close(grad, r["ref_grads"][name][start : start + grad.numel()], rtol=1e-5, atol=1e-6)
+        for name, want in r["ref_params"].items():
+            torch.testing.assert_close(r["params"][name], want)
