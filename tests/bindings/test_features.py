@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -12,11 +13,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashfsdp
+from flashfsdp.bindings.autograd import in_backward
 from flashfsdp.kernels.dispatch import use_backend
-from flashfsdp.runtime.communicator import Communicator
+from flashfsdp.runtime.flat_param import FlatParam
 from flashfsdp.runtime.process_group import ProcessGroupCommunicator
 from tests.harness import run_distributed
-from tests.training import gather_full_params, local_rows
+from tests.training import CountingCommunicator, gather_full_params, local_rows
 
 
 class LoRALinear(nn.Module):
@@ -30,30 +32,6 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         return F.linear(x, self.weight) + F.linear(F.linear(x, self.lora_a), self.lora_b)
-
-
-class CountingCommunicator(Communicator):
-    """Delegates to a real communicator and records the elements each reduce-scatter reads."""
-
-    def __init__(self, inner: Communicator):
-        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
-        self.reduce_scatter_numels: list[int] = []
-
-    def all_gather_into_tensor(self, out, inp):
-        return self.inner.all_gather_into_tensor(out, inp)
-
-    def reduce_scatter_tensor(self, out, inp, op="sum"):
-        self.reduce_scatter_numels.append(inp.numel())
-        return self.inner.reduce_scatter_tensor(out, inp, op)
-
-    def all_reduce(self, tensor, op="sum"):
-        return self.inner.all_reduce(tensor, op)
-
-    def broadcast(self, tensor, src):
-        return self.inner.broadcast(tensor, src)
-
-    def barrier(self):
-        self.inner.barrier()
 
 
 def _lora(rank, world_size):
@@ -168,10 +146,12 @@ def test_tied_parameters_in_one_unit_train_as_one():
 
 
 class _Stack(nn.Module):
-    def __init__(self, n_blocks=16, d=24):
+    """n Linear(d, d) blocks (one unit each) and a Linear(d, d_out) head in the root's unit."""
+
+    def __init__(self, n_blocks=16, d=24, d_out=1):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(n_blocks))
-        self.head = nn.Linear(d, 1)
+        self.head = nn.Linear(d, d_out)
 
     def forward(self, x):
         for b in self.blocks:
@@ -179,34 +159,125 @@ class _Stack(nn.Module):
         return self.head(x)
 
 
+@contextlib.contextmanager
+def _after_every_unshard(callback):
+    """Call ``callback()`` right after any unit's unsharded buffer is (re)allocated.
+
+    Instrumentation only: the real ``FlatParam.alloc_unsharded`` runs first. Those allocations are
+    the moments where the storage the runtime holds grows during a step (the gradient shards and
+    the optimizer state are allocated once, in the first step, and stay).
+    """
+    original = FlatParam.alloc_unsharded
+
+    def alloc_and_sample(self):
+        original(self)
+        callback()
+
+    FlatParam.alloc_unsharded = alloc_and_sample
+    try:
+        yield
+    finally:
+        FlatParam.alloc_unsharded = original
+
+
 def _memory(rank, world_size):
+    """The peak of what the runtime holds on this rank over 3 steps, and its parts."""
+    out = {}
+    for max_inflight in (2, 0):
+        torch.manual_seed(0)
+        model = _Stack(n_blocks=4, d=32, d_out=16)
+        full_bytes = sum(p.numel() * 4 for p in model.parameters())
+        block_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+        root_bytes = sum(p.numel() * 4 for p in model.head.parameters())
+        for b in model.blocks:
+            flashfsdp.fully_shard(b)
+        flashfsdp.fully_shard(model)
+        model.set_max_inflight_all_gathers(max_inflight)
+        states = [m._flashfsdp_state for m in model.modules() if hasattr(m, "_flashfsdp_state")]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        peak = {"held": 0}
+
+        def sample():
+            mem = [s.unit.memory_bytes() for s in states]
+            runtime = sum(m["sharded"] + m["unsharded"] + m["secondary"] for m in mem)
+            adam = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim() > 0)
+            peak["held"] = max(peak["held"], runtime + adam)
+
+        with _after_every_unshard(sample):
+            for _ in range(3):
+                model(torch.randn(4, 32)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        out[max_inflight] = {"peak": peak["held"], "full": full_bytes, "block": block_bytes, "root": root_bytes}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_memory_per_rank_matches_zero3_accounting(world_size):
+    """Peak bytes per rank = (master + grad + AdamW exp_avg + exp_avg_sq) / W + unsharded units.
+
+    The sharded part is 4 fp32 copies of the model split over W ranks (padding aside). The
+    unsharded part is what the schedule keeps gathered at once: the root (its parameters stay
+    from forward until the end of backward) + the block computing + the block prefetched ahead of
+    it (the next one in forward, the previous one in backward: implicit prefetch asks for one);
+    with ``set_max_inflight_all_gathers(0)`` nothing is prefetched: root + one block. The peak is
+    sampled after every unsharded allocation of forward and backward (where the held storage
+    grows), over three steps, so gradient shards and AdamW state exist. A block is more than 5%
+    of the total, so the tolerance tells the unsharded counts apart.
+    """
+    for r in run_distributed(_memory, world_size):
+        for max_inflight, blocks_gathered in ((2, 2), (0, 1)):
+            m = r[max_inflight]
+            formula = 4 * m["full"] / world_size + m["root"] + blocks_gathered * m["block"]
+            assert m["block"] > 0.05 * formula  # the check below can tell one block more or less
+            assert abs(m["peak"] - formula) <= 0.05 * formula, (max_inflight, m, formula)
+
+
+class _FrozenBackbone(nn.Module):
+    """A trainable embedding, ``n_blocks`` frozen Linear blocks, a trainable head."""
+
+    def __init__(self, n_blocks=8, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(11, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(n_blocks))
+        self.blocks.requires_grad_(False)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def test_frozen_units_reshard_during_backward():
+    """Blocks whose parameters are all frozen are resharded right after their backward, so only
+    the block computing and the one prefetched are unsharded at once (not every frozen block)."""
     torch.manual_seed(0)
-    model = _Stack()
-    full_bytes = sum(p.numel() * 4 for p in model.parameters())
-    largest_unit = max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks)
+    model = _FrozenBackbone()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     for b in model.blocks:
         flashfsdp.fully_shard(b)
     flashfsdp.fully_shard(model)
-    states = [m._flashfsdp_state for m in model.modules() if hasattr(m, "_flashfsdp_state")]
-    peak = {"unsharded": 0}
+    blocks = [b._flashfsdp_state for b in model.blocks]
+    in_backward_counts = []
 
-    def track(*_):
-        peak["unsharded"] = max(peak["unsharded"], sum(s.unit.memory_bytes()["unsharded"] for s in states))
+    def sample():
+        if in_backward():
+            in_backward_counts.append(sum(s.unit.memory_bytes()["unsharded"] > 0 for s in blocks))
 
-    for b in model.blocks:
-        b.register_forward_hook(track)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(2):
-        model(torch.randn(4, 24)).sum().backward()
-        opt.step()
-    sharded = sum(s.unit.memory_bytes()["sharded"] for s in states)
-    adam = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim() > 0)
-    return {"measured": sharded + adam + peak["unsharded"], "formula": 4 * full_bytes / world_size + largest_unit}
-
-
-def test_memory_per_rank_matches_zero3_accounting():
-    for r in run_distributed(_memory, 2):
-        assert abs(r["measured"] - r["formula"]) <= 0.05 * r["formula"], r
+    tokens = torch.tensor([[1, 4, 7, 2]])
+    with _after_every_unshard(sample):
+        for _ in range(2):
+            model(tokens).sum().backward()
+    assert len(in_backward_counts) >= 2 * len(blocks)  # every block was gathered in each backward
+    assert max(in_backward_counts) <= 2, in_backward_counts
+    assert all(s.unit.memory_bytes()["unsharded"] == 0 for s in blocks)
+    assert model.head.weight.grad is not None and model.emb.weight.grad is not None
+    assert all(p.grad is None for p in model.blocks.parameters())
+    after = gather_full_params(model)
+    for name, value in frozen.items():
+        assert torch.equal(after[name], value), name
 
 
 class _CountWrites(TorchDispatchMode):
@@ -226,21 +297,57 @@ class _CountWrites(TorchDispatchMode):
         return out
 
 
-def test_unshard_is_zero_copy_out():
+def _zero_copy(rank, world_size):
+    """Unshard a bf16 unit: elements written by aten ops, where its parameters live in forward."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    ref = copy.deepcopy(model).to(torch.bfloat16)
     flashfsdp.fully_shard(model, mp_policy=flashfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    unit = model._flashfsdp_state.unit
-    (group,) = unit.groups
-    # The reference kernels run as aten ops, so the mode sees every element they write.
+    (group,) = model._flashfsdp_state.unit.groups
+    # The reference kernels run as aten ops, so the mode sees every element they write; the
+    # all-gather is a c10d op (gloo writes the other ranks' slices in place, outside aten).
     with use_backend("reference"), _CountWrites() as counter:
         model.unshard()
-    # Only the copy-in writes (S elements); the parameters are views of the all-gathered buffer.
-    assert 0 < counter.written <= group.layout.shard_size
     base = group.unsharded_flat.data_ptr()
-    for (_, p), off in zip(model.named_parameters(), group.layout.offsets):
-        assert p.data_ptr() == base + off * 2 and p.dtype == torch.bfloat16
+    after_unshard = [(p.data_ptr() - base, p.dtype) for p in model.parameters()]
     model.reshard()
-    assert group.unsharded_flat.untyped_storage().nbytes() == 0
+    freed = group.unsharded_flat.untyped_storage().nbytes() == 0
+    in_forward = []
+
+    def record(module, args):
+        buf = group.unsharded_flat
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.untyped_storage().nbytes()
+        in_forward.extend(lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= hi
+                          for p in module.parameters())
+
+    for layer in model:
+        layer.register_forward_pre_hook(record)  # runs inside the root's forward, after its unshard
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        out = model(x)
+        want = ref(x.to(torch.bfloat16))
+    return {
+        "written": counter.written, "shard_size": group.layout.shard_size, "offsets": list(group.layout.offsets),
+        "after_unshard": after_unshard, "freed": freed, "in_forward": in_forward, "out": out, "want": want,
+    }
+
+
+def _assert_zero_copy(r):
+    # Only the copy-in writes (S elements); the parameters are views of the all-gathered buffer.
+    assert 0 < r["written"] <= r["shard_size"]
+    assert r["after_unshard"] == [(off * 2, torch.bfloat16) for off in r["offsets"]]
+    assert r["freed"]
+    assert len(r["in_forward"]) == 4 and all(r["in_forward"])
+    torch.testing.assert_close(r["out"], r["want"], rtol=0, atol=0)
+
+
+def test_unshard_is_zero_copy_out():
+    _assert_zero_copy(_zero_copy(0, 1))
+
+
+def test_unshard_is_zero_copy_out_on_two_ranks():
+    for r in run_distributed(_zero_copy, 2):
+        _assert_zero_copy(r)
 
 
 class _Dynamic(nn.Module):
