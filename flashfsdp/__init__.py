@@ -1,6 +1,8 @@
 """flashfsdp: Fully Sharded Data Parallel (ZeRO-3) for PyTorch with Triton kernels and NCCL via CuPy.
 
 Drop-in names follow PyTorch FSDP2: ``from flashfsdp import fully_shard, MixedPrecisionPolicy``.
+A single process (W = 1) needs no process group: without ``torch.distributed`` initialised,
+``fully_shard`` makes single-rank units and the model trains as usual.
 """
 
 from flashfsdp.bindings.clip_grad import clip_grad_norm_

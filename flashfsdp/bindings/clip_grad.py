@@ -31,8 +31,12 @@ def clip_grad_norm_(
         error_if_nonfinite: raise if the total norm is inf/nan instead of clipping with it.
 
     Returns:
-        The total norm (0-dim fp32 tensor), identical on every rank; same semantics as
-        ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+        The total norm (0-dim fp32 tensor); same semantics as ``torch.nn.utils.clip_grad_norm_``
+        on the unsharded model. It is identical on every rank when every gradient belongs to a
+        sharded parameter (reduced across ranks). Other parameters (``ignored_params``,
+        parameters of modules outside any unit) keep their rank-local gradients, which enter
+        this rank's norm as they are: make them equal on every rank first (e.g. all-reduce them)
+        if the norm must agree.
 
     Raises:
         ValueError: ``max_norm`` <= 0 or ``norm_type`` <= 0.

@@ -9,7 +9,11 @@ that event (no CPU synchronisation) and keeps the tensors referenced until then,
 torch tensors).
 
 The NCCL unique id travels through the torch.distributed store that ``init_process_group`` (and so
-torchrun) already set up: no second rendezvous.
+torchrun) already set up: no second rendezvous. Its store key is the group's ranks plus a
+per-process counter of communicators created so far, so every rank of a group must create its
+NcclCommunicators in the same order (as it does when every rank makes the same ``fully_shard``
+calls in the same order); a rank that creates one more or one fewer waits on a key the others
+never set.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class _NcclWork(Work):
 
 class NcclCommunicator(Communicator):
     """Collectives through ``cupy.cuda.nccl.NcclCommunicator`` over a torch.distributed group.
+
+    Every rank of ``group`` must construct its NcclCommunicators in the same order (the unique
+    id's store key counts them per process; see the module docstring).
 
     Args:
         group: the process group whose ranks form the NCCL communicator (default: world). Only its
