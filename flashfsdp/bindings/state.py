@@ -181,6 +181,7 @@ class FSDPState:
             ctx.prefetched.add(target)
 
     # ------------------------------------------------------------------ forward hooks
+    @trace.labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if in_backward():
             # Activation recomputation inside backward (torch.utils.checkpoint): the parameters are
@@ -241,6 +242,7 @@ class FSDPState:
             prof.add(kind, self.unit.name, "compute", self._compute_start, prof.now())
         self._compute_start = None
 
+    @trace.labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if in_backward():
             return self._cast_output(output)
@@ -276,6 +278,7 @@ class FSDPState:
                 )
 
     # ------------------------------------------------------------------ backward hooks
+    @trace.labelled("pre_backward")
     def _pre_backward(self) -> None:
         ctx = self.ctx
         if self.is_root and not ctx.callback_queued:
@@ -289,6 +292,7 @@ class FSDPState:
         self._prefetch(ctx.policy.backward_targets(self, ctx.order, self.explicit_backward_prefetch))
         self._mark_compute_start()
 
+    @trace.labelled("post_backward")
     def _post_backward(self) -> None:
         if self.training_state is TrainingState.POST_BACKWARD:
             return

@@ -187,7 +187,8 @@ def test_collectives_without_a_completion_time_are_bounded_and_marked():
 
 
 UNITS = ("blocks.0", "blocks.1", "blocks.2", "shift", "<root>")
-PHASES = ("copy_in", "all_gather", "wait_all_gather", "pack", "reduce_scatter", "wait_reduce_scatter", "accumulate")
+PHASES = ("copy_in", "all_gather", "wait_all_gather", "pack", "reduce_scatter", "wait_reduce_scatter", "accumulate",
+          "pre_forward", "post_forward", "pre_backward", "post_backward")
 
 
 def test_torch_profiler_shows_every_phase_without_flashfsdp_profile():
