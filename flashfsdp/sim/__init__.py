@@ -26,7 +26,9 @@ from .model import (
     llama_model,
     model_from_measurements,
 )
-from .simulate import SETTINGS, Prediction, Setting, Span, compare_settings, prefetch_ahead, simulate
+from .simulate import (
+    SETTINGS, Prediction, Setting, Span, compare_settings, prefetch_ahead, simulate, simulate_ranks,
+)
 
 __all__ = [
     "Contention", "contention_rates", "fit_contention",
@@ -34,4 +36,5 @@ __all__ = [
     "LLAMA3_8B", "LLAMA3_70B", "LlamaShape", "Model", "Unit", "llama3_8b", "llama3_70b", "llama_model",
     "model_from_measurements",
     "SETTINGS", "Prediction", "Setting", "Span", "compare_settings", "prefetch_ahead", "simulate",
+    "simulate_ranks",
 ]

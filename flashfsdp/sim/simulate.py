@@ -105,9 +105,10 @@ class Prediction:
         all_gather_s: sum of the step's all-gather costs (ring model, full bandwidth).
         reduce_scatter_s: sum of the step's reduce-scatter costs.
         all_gathers: all-gathers issued in the step.
-        comm_span_s: the step's collectives from issue to completion, summed (queueing behind earlier
-            collectives and host contention included): what a trace's all-gather and reduce-scatter
-            spans add up to when they end at completion.
+        comm_busy_s: busy time of the step's communication as a trace records it: per kind
+            (all-gather, reduce-scatter), the union of the collectives' [issue, completion]
+            intervals (queueing behind earlier collectives and host contention included), summed
+            over the two kinds, as ``Profile.summary()["comm_ms"]`` counts it.
         peak_bytes: peak memory per rank (see the module docstring).
         sharded_bytes: the constant part of it, the sharded state.
         timeline: the step's spans when ``record_timeline`` was set.
@@ -123,7 +124,7 @@ class Prediction:
     all_gather_s: float
     reduce_scatter_s: float
     all_gathers: int
-    comm_span_s: float
+    comm_busy_s: float
     peak_bytes: int
     sharded_bytes: int
     timeline: list[Span] = field(default_factory=list, repr=False)
@@ -152,13 +153,17 @@ class Prediction:
 @dataclass(eq=False)
 class _Op:
     """A collective on a side stream: phases of [seconds left, uses the link, is the collective]
-    (a GPU copy-in phase is not: host contention does not slow it)."""
+    (a GPU copy-in phase is not: host contention does not slow it). Its collective phases cannot
+    start before ``ready`` and it cannot end before ``done_after`` (when a peer rank issues it
+    later or finishes it later: see :func:`simulate_ranks`)."""
 
     stream: str
     kind: str
     unit: str
     issue: float
     phases: list
+    ready: float = -math.inf
+    done_after: float = -math.inf
     start: float | None = None
     end: float | None = None
 
@@ -166,11 +171,12 @@ class _Op:
 class _CommEngine:
     """FIFO side streams advanced as a fluid, in lockstep with the compute stream.
 
-    Each stream's head op progresses at rate 1; with link sharing, at 1/k while k heads are in a
-    link-using phase; with host contention, at ``comm_rate`` while the compute stream computes (and
-    the compute stream at ``compute_rate`` while a collective is in flight). The runtime advances
-    time only through :meth:`compute` (the compute stream busy) and :meth:`finish` /
-    :meth:`started` (the compute stream blocked), so ``now`` is always the compute stream's time.
+    Each stream's head op, once ready, progresses at rate 1; with link sharing, at 1/k while k heads
+    are in a link-using phase; with host contention, at ``comm_rate`` while the compute stream
+    computes (and the compute stream at ``compute_rate`` while a collective is in flight). The
+    runtime advances time only through :meth:`compute` (the compute stream busy) and
+    :meth:`finish` / :meth:`started` (the compute stream blocked), so ``now`` is always the compute
+    stream's time.
     """
 
     def __init__(self, share_link: bool, contention: Contention | None):
@@ -181,10 +187,7 @@ class _CommEngine:
 
     def issue(self, op: _Op) -> None:
         """Enqueue ``op`` (issued now) on its stream."""
-        queue = self.queues.setdefault(op.stream, collections.deque())
-        queue.append(op)
-        if len(queue) == 1:
-            op.start = self.now
+        self.queues.setdefault(op.stream, collections.deque()).append(op)
         self._retire()
 
     def compute(self, seconds: float) -> float:
@@ -211,10 +214,31 @@ class _CommEngine:
         while any(self.queues.values()):
             self._step(None)
 
-    def _step(self, work: float | None) -> float:
-        """Advance to the next event: a phase ends, or (``work`` given: the compute stream busy) the
-        compute ends. Returns the compute seconds done."""
+    def _can_run(self, op: _Op) -> bool:
+        """A local phase (GPU copy-in) runs at once; a collective phase once every rank issued it;
+        an op with no phase left ends once every rank finished it."""
+        tol = _EPS * max(1.0, self.now)
+        if not op.phases:
+            return op.done_after <= self.now + tol
+        return not op.phases[0][2] or op.ready <= self.now + tol
+
+    def _until_runnable(self, op: _Op) -> float:
+        return (op.done_after if not op.phases else op.ready) - self.now
+
+    def _heads(self) -> tuple[list[_Op], list[_Op]]:
+        """(heads that run, heads whose collective waits for a peer rank), starting the former."""
         heads = [q[0] for q in self.queues.values() if q]
+        running = [h for h in heads if self._can_run(h)]
+        for h in running:
+            if h.start is None:
+                h.start = self.now
+        return running, [h for h in heads if not self._can_run(h)]
+
+    def _step(self, work: float | None) -> float:
+        """Advance to the next event: a phase ends, a head becomes ready, or (``work`` given: the
+        compute stream busy) the compute ends. Returns the compute seconds done."""
+        heads, waiting = self._heads()
+        heads = [h for h in heads if h.phases]
         on_link = sum(1 for h in heads if h.phases[0][1])
         computing = work is not None
         contended = [h for h in heads if h.phases[0][2]] if computing and self.contention is not None else []
@@ -225,7 +249,7 @@ class _CommEngine:
                 rate *= self.contention.rates(h.kind)[1]
             rates.append(rate)
         compute_rate = min((self.contention.rates(h.kind)[0] for h in contended), default=1.0)
-        times = [h.phases[0][0] / r for h, r in zip(heads, rates)]
+        times = [h.phases[0][0] / r for h, r in zip(heads, rates)] + [self._until_runnable(h) for h in waiting]
         if computing:
             times.append(work / compute_rate)
         if not times:
@@ -238,19 +262,19 @@ class _CommEngine:
         return dt * compute_rate
 
     def _retire(self) -> None:
-        """Drop finished phases; end finished ops and start the next op of their stream."""
+        """Drop the finished phases of the heads that can run; end the ops with none left."""
         tol = _EPS * max(1.0, self.now)
         for queue in self.queues.values():
-            while queue:
+            while queue and self._can_run(queue[0]):
                 head = queue[0]
-                while head.phases and head.phases[0][0] <= tol:
+                if head.start is None:
+                    head.start = self.now
+                while head.phases and head.phases[0][0] <= tol and self._can_run(head):
                     head.phases.pop(0)
-                if head.phases:
+                if head.phases or not self._can_run(head):  # a phase left, or a peer still busy
                     break
                 head.end = self.now
                 queue.popleft()
-                if queue:
-                    queue[0].start = self.now
 
 
 # ------------------------------------------------------------------------------------- runtime
@@ -271,8 +295,13 @@ class _Runtime:
                  reshard_after_forward: bool, forward_prefetch: Mapping[str, Sequence[str]] | None,
                  backward_prefetch: Mapping[str, Sequence[str]] | None, shared_comm_stream: bool,
                  share_link_bandwidth: bool, host_blocking: bool, copy_bandwidth: float | None,
-                 contention: Contention | None):
+                 contention: Contention | None, peer_issues: Sequence[float] | None = None,
+                 peer_ends: Sequence[float] | None = None):
         self.model, self.W, self.link, self.policy = model, world_size, link, policy
+        self.peer_issues = peer_issues  # by collective number: the latest issue on the other ranks
+        self.peer_ends = peer_ends  # by collective number: the latest end on the other ranks
+        self.issues: list[float] = []  # this rank's issue times, by collective number
+        self.all_ops: list[_Op] = []  # every step's collectives, by number
         self.reshard_after_forward = reshard_after_forward
         self.fwd_lists = dict(forward_prefetch or {})
         self.bwd_lists = dict(backward_prefetch or {})
@@ -326,6 +355,20 @@ class _Runtime:
     def _stream(self, kind: str) -> str:
         return "comm" if self.shared else kind
 
+    def _issue(self, kind: str, name: str, phases: list) -> _Op:
+        """Issue a collective now; with peers, its collective phases wait until every rank issued it."""
+        n = len(self.issues)
+        self.issues.append(self.t)
+        ready = self.t
+        if self.peer_issues is not None and n < len(self.peer_issues):
+            ready = max(ready, self.peer_issues[n])
+        done_after = self.peer_ends[n] if self.peer_ends is not None and n < len(self.peer_ends) else -math.inf
+        op = _Op(self._stream(kind), kind, name, self.t, phases, ready=ready, done_after=done_after)
+        self.engine.issue(op)
+        self.ops.append(op)
+        self.all_ops.append(op)
+        return op
+
     # -------------------------------------------------------------- unshard / reshard
     def unshard(self, name: str) -> None:
         st = self.states[name]
@@ -346,9 +389,7 @@ class _Runtime:
         cost = self.link.all_gather_s(nbytes, self.W)
         latency = min(cost, self.link.latency_s(self.W, "all_gather"))
         phases += [[latency, False, True], [cost - latency, True, True]]
-        op = _Op(self._stream("all_gather"), "all_gather", name, self.t, phases)
-        self.engine.issue(op)
-        self.ops.append(op)
+        op = self._issue("all_gather", name, phases)
         self.ag_cost += cost
         self.n_ag += 1
         st.op = op
@@ -392,10 +433,7 @@ class _Runtime:
         nbytes = unit.reduce_bytes_total(self.W)
         cost = self.link.reduce_scatter_s(nbytes, self.W)
         latency = min(cost, self.link.latency_s(self.W, "reduce_scatter"))
-        op = _Op(self._stream("reduce_scatter"), "reduce_scatter", name, self.t,
-                 [[latency, False, True], [cost - latency, True, True]])
-        self.engine.issue(op)
-        self.ops.append(op)
+        op = self._issue("reduce_scatter", name, [[latency, False, True], [cost - latency, True, True]])
         self.rs_cost += cost
         if not self.host_blocking:
             self.held = (op, grads_mem)
@@ -482,6 +520,16 @@ class _Runtime:
             peak = max(peak, current)
         return peak
 
+    def comm_busy(self) -> float:
+        """Per collective kind, the union of [issue, end] of the step's ops; summed over kinds."""
+        total = 0.0
+        for kind in ("all_gather", "reduce_scatter"):
+            cursor = -math.inf
+            for op in sorted((o for o in self.ops if o.kind == kind), key=lambda o: o.issue):
+                total += max(0.0, op.end - max(op.issue, cursor))
+                cursor = max(cursor, op.end)
+        return total
+
     def timeline(self) -> list[Span]:
         t0 = self.step_start
         spans = [Span(s.stream, s.kind, s.unit, s.start - t0, s.end - t0) for s in self.spans]
@@ -527,6 +575,19 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
             that is not a Contention, or an explicit prefetch list naming an unknown unit (the
             message names the argument).
     """
+    link = _check_simulate_args(model, world_size, link, steps, copy_bandwidth, contention, forward_prefetch,
+                                backward_prefetch)
+    runtime = _Runtime(model, world_size, link, policy if policy is not None else PrefetchPolicy(),
+                       reshard_after_forward, forward_prefetch, backward_prefetch, shared_comm_stream,
+                       share_link_bandwidth, host_blocking, copy_bandwidth, contention)
+    for _ in range(steps):
+        runtime.step()
+    return _prediction(runtime, label, record_timeline)
+
+
+def _check_simulate_args(model, world_size, link, steps, copy_bandwidth, contention, forward_prefetch,
+                         backward_prefetch) -> Link:
+    """The checks of :func:`simulate` (raising ValueError naming the argument); returns the Link."""
     check_world_size(world_size)
     link = get_link(link)
     if not isinstance(model, Model):
@@ -543,20 +604,109 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
             unknown = [n for n in (key, *targets) if n not in names]
             if unknown:
                 raise ValueError(f"{arg}: unknown unit(s) {unknown}; units are {sorted(names)}")
-    runtime = _Runtime(model, world_size, link, policy if policy is not None else PrefetchPolicy(),
-                       reshard_after_forward, forward_prefetch, backward_prefetch, shared_comm_stream,
-                       share_link_bandwidth, host_blocking, copy_bandwidth, contention)
-    for _ in range(steps):
-        runtime.step()
+    return link
+
+
+def _prediction(runtime: _Runtime, label: str, record_timeline: bool) -> Prediction:
+    model, world_size = runtime.model, runtime.W
     sharded = sum(u.sharded_state_bytes(world_size) for u in model.units)
     return Prediction(
-        world_size=world_size, link=link.name, label=label, step_s=runtime.t - runtime.step_start,
+        world_size=world_size, link=runtime.link.name, label=label, step_s=runtime.t - runtime.step_start,
         compute_s=model.compute_s(), exposed_s=runtime.exposed, host_copy_s=runtime.host_copy,
         all_gather_s=runtime.ag_cost, reduce_scatter_s=runtime.rs_cost, all_gathers=runtime.n_ag,
-        comm_span_s=sum(op.end - op.issue for op in runtime.ops),
+        comm_busy_s=runtime.comm_busy(),
         peak_bytes=sharded + runtime.peak_step_bytes(), sharded_bytes=sharded,
         timeline=runtime.timeline() if record_timeline else [],
     )
+
+
+def _close(old, new) -> bool:
+    return old is not None and all(abs(a - b) <= _EPS * max(1.0, abs(a)) for a, b in zip(old, new))
+
+
+def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str", *,
+                   policy: PrefetchPolicy | None = None, reshard_after_forward: bool = True,
+                   forward_prefetch: Mapping[str, Sequence[str]] | None = None,
+                   backward_prefetch: Mapping[str, Sequence[str]] | None = None, shared_comm_stream: bool = False,
+                   share_link_bandwidth: bool = False, host_blocking: bool = False,
+                   copy_bandwidth: "float | None | Sequence[float | None]" = None,
+                   contention: Contention | None = None, steps: int = 2, record_timeline: bool = False,
+                   label: str = "") -> list[Prediction]:
+    """Predict one step on each of several ranks, each with its own compute, coupled by the collectives.
+
+    :func:`simulate` follows one rank and lets a collective start as soon as that rank issued it. A
+    collective needs every rank, though: when one rank computes longer (another job took its core,
+    its operators ran slower), the others wait inside the collective. Here each rank runs its own
+    ``Model`` (the same units and bytes, its own measured compute) and the i-th collective of the
+    run starts on no rank before the last rank issued it, and ends on no rank before the last rank
+    finished it (a ring moves at the pace of its slowest member: under host contention the ranks'
+    progress differs). The ranks' times are found by fixed-point iteration (each rank simulated
+    against the others' issue and end times of the previous round), exact after at most twice as
+    many rounds as there are collectives (the i-th collective depends only on those before it). Ranks that are not listed (``world_size`` > ``len(models)``) are
+    taken to be as fast as the fastest listed one, i.e. they delay nothing.
+
+    Args:
+        models: one :class:`Model` per rank (same unit names, sizes and bytes), compute per rank.
+        copy_bandwidth: one value for every rank, or one per rank.
+        world_size, link, policy, ...: as :func:`simulate`.
+
+    Returns:
+        one :class:`Prediction` per rank, in the order of ``models``.
+
+    Raises:
+        ValueError: no models, more models than ``world_size``, ranks whose units differ, a list of
+            copy bandwidths of the wrong length, or any error of :func:`simulate`.
+    """
+    models = list(models)
+    if not models:
+        raise ValueError("simulate_ranks: models must hold one Model per rank, got none")
+    check_world_size(world_size)
+    if len(models) > world_size:
+        raise ValueError(f"simulate_ranks: {len(models)} models for world_size {world_size}; give at most one per rank")
+    signature = [(u.name, u.numel, u.param_bytes, u.reduce_bytes) for u in models[0].units]
+    for r, m in enumerate(models):
+        if not isinstance(m, Model):
+            raise ValueError(f"simulate_ranks: models[{r}] must be a flashfsdp.sim.Model, got {type(m).__name__}")
+        if [(u.name, u.numel, u.param_bytes, u.reduce_bytes) for u in m.units] != signature:
+            raise ValueError(f"simulate_ranks: models[{r}] has other units (names, sizes or bytes) than models[0]; "
+                             "every rank runs the same units, only compute times may differ")
+    copies = list(copy_bandwidth) if isinstance(copy_bandwidth, (list, tuple)) else [copy_bandwidth] * len(models)
+    if len(copies) != len(models):
+        raise ValueError(f"simulate_ranks: copy_bandwidth has {len(copies)} values for {len(models)} models")
+    link = _check_simulate_args(models[0], world_size, link, steps, copies[0], contention, forward_prefetch,
+                                backward_prefetch)
+    for c in copies[1:]:
+        _check_simulate_args(models[0], world_size, link, steps, c, contention, None, None)
+
+    def run(r: int, peer_issues, peer_ends) -> _Runtime:
+        runtime = _Runtime(models[r], world_size, link, policy if policy is not None else PrefetchPolicy(),
+                           reshard_after_forward, forward_prefetch, backward_prefetch, shared_comm_stream,
+                           share_link_bandwidth, host_blocking, copies[r], contention, peer_issues=peer_issues,
+                           peer_ends=peer_ends)
+        for _ in range(steps):
+            runtime.step()
+        return runtime
+
+    n_ranks = len(models)
+    peers: list = [(None, None)] * n_ranks
+    rounds = 0
+    while True:
+        runs = [run(r, *peers[r]) for r in range(n_ranks)]
+        issues = [rt.issues for rt in runs]
+        ends = [[op.end for op in rt.all_ops] for rt in runs]
+        if len({len(i) for i in issues}) != 1:
+            raise RuntimeError("simulate_ranks: the ranks issued different numbers of collectives")
+        if n_ranks == 1:
+            break
+        latest = [tuple([max(times[q][i] for q in range(n_ranks) if q != r) for i in range(len(issues[0]))]
+                        for times in (issues, ends)) for r in range(n_ranks)]
+        if all(_close(old, new) for p, l in zip(peers, latest) for old, new in zip(p, l)):
+            break
+        rounds += 1
+        if rounds > 2 * len(issues[0]) + 2:  # cannot happen: the i-th collective is exact after 2i rounds
+            raise RuntimeError("simulate_ranks: the ranks' collective times did not converge")
+        peers = latest
+    return [_prediction(rt, label, record_timeline) for rt in runs]
 
 
 # ------------------------------------------------------------------------------------- settings

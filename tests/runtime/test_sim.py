@@ -191,6 +191,8 @@ def test_timeline_accounts_for_the_step():
     waits = [s for s in pred.timeline if s.kind.startswith("wait_")]
     assert sum(s.end - s.start for s in compute) == pytest.approx(model.compute_s())
     assert sum(s.end - s.start for s in waits) == pytest.approx(pred.exposed_s)
+    comm = [s for s in pred.timeline if s.stream != "compute"]
+    assert pred.comm_s - 1e-12 <= pred.comm_busy_s <= sum(s.end - s.start for s in comm) + 1e-12
     assert max(s.end for s in pred.timeline) == pytest.approx(pred.step_s)
     gathers = [s for s in pred.timeline if s.kind == "all_gather"]
     assert all(b.start >= a.end - 1e-12 for a, b in zip(gathers, gathers[1:]))  # one FIFO stream
@@ -215,7 +217,7 @@ def test_contention_of_one_all_gather_behind_compute():
     assert pred.step_s > free.step_s
     assert pred.compute_s == free.compute_s  # pure compute, as given
     assert pred.comm_s == pytest.approx(free.comm_s)  # stand-alone costs
-    assert pred.comm_span_s > free.comm_span_s
+    assert pred.comm_busy_s > free.comm_busy_s
 
 
 def test_contention_rates_of_one_are_no_contention():
@@ -273,6 +275,61 @@ def test_bad_contention():
         sim.contention_rates([(-0.01, 0.02, 0.05, 0.01)])
     with pytest.raises(ValueError, match="contention must be"):
         sim.simulate(_model(), W, LINK, contention=(0.5, 0.5))
+
+
+# ------------------------------------------------------------------------------------- ranks
+
+
+RANK_SETTINGS = ({}, {"policy": NO_PREFETCH}, {"reshard_after_forward": False},
+                 {"shared_comm_stream": True, "host_blocking": True, "copy_bandwidth": 1e9},
+                 {"contention": sim.Contention(0.6, 0.5), "shared_comm_stream": True, "host_blocking": True})
+
+
+@pytest.mark.parametrize("kwargs", RANK_SETTINGS)
+def test_identical_ranks_predict_what_one_rank_does(kwargs):
+    model = _model(fwd=0.002, bwd=0.004, loss_s=0.001, optimizer_s=0.002)
+    one = sim.simulate(model, W, LINK, **kwargs)
+    for pred in sim.simulate_ranks([model, model], W, LINK, **kwargs):
+        assert pred.step_s == pytest.approx(one.step_s) and pred.exposed_s == pytest.approx(one.exposed_s)
+    [single] = sim.simulate_ranks([model], W, LINK, **kwargs)
+    assert single.step_s == pytest.approx(one.step_s)
+
+
+@pytest.mark.parametrize("kwargs", RANK_SETTINGS)
+def test_a_slow_rank_makes_the_fast_one_wait_inside_collectives(kwargs):
+    fast = _model(fwd=0.002, bwd=0.004, loss_s=0.001, optimizer_s=0.002)
+    slow = sim.Model(fast.root, tuple(sim.Unit(b.name, b.numel, 3 * b.forward_s, b.backward_s, reduce_bytes=4)
+                                      for b in fast.blocks), loss_s=0.001, optimizer_s=0.002)
+    alone = {m: sim.simulate(m, W, LINK, record_timeline=True, **kwargs) for m in (fast, slow)}
+    a, b = sim.simulate_ranks([fast, slow], W, LINK, record_timeline=True, **kwargs)
+    # The ranks leave the step together (the last reduce-scatter needs both), no earlier than the slow
+    # rank alone; the fast rank now waits for the slow one's issues: more exposed time.
+    assert a.step_s == pytest.approx(b.step_s)
+    assert b.step_s >= alone[slow].step_s - 1e-12
+    assert a.exposed_s > alone[fast].exposed_s
+    # every collective runs at the same time on both ranks
+    comm_a = [(s.kind, s.unit, s.start, s.end) for s in a.timeline if s.stream != "compute"]
+    comm_b = [(s.kind, s.unit, s.start, s.end) for s in b.timeline if s.stream != "compute"]
+    assert len(comm_a) == len(comm_b) > 0
+    for x, y in zip(comm_a, comm_b):
+        assert x[:2] == y[:2] and x[2] == pytest.approx(y[2]) and x[3] == pytest.approx(y[3])
+
+
+def test_bad_simulate_ranks_arguments():
+    model = _model()
+    other = _model(block_numel=2 * MB)
+    with pytest.raises(ValueError, match="one Model per rank"):
+        sim.simulate_ranks([], W, LINK)
+    with pytest.raises(ValueError, match="5 models for world_size 4"):
+        sim.simulate_ranks([model] * 5, W, LINK)
+    with pytest.raises(ValueError, match=r"models\[1\] has other units"):
+        sim.simulate_ranks([model, other], W, LINK)
+    with pytest.raises(ValueError, match="copy_bandwidth has 3 values for 2 models"):
+        sim.simulate_ranks([model, model], W, LINK, copy_bandwidth=[1e9, 1e9, 1e9])
+    with pytest.raises(ValueError, match="copy_bandwidth must be > 0"):
+        sim.simulate_ranks([model, model], W, LINK, copy_bandwidth=[1e9, -1.0])
+    with pytest.raises(ValueError, match="world_size"):
+        sim.simulate_ranks([model], 0, LINK)
 
 
 # ------------------------------------------------------------------------------------- memory
