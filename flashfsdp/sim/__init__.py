@@ -9,8 +9,21 @@ compute stream and two communication streams and predicts one step. Times are se
     >>> p = sim.simulate(sim.llama3_8b(), world_size=64, link="ib400")
     >>> round(p.efficiency, 2)  # doctest: +SKIP
 
-``python -m benchmarks.overlap`` validates it against a measured CPU step and sweeps Llama-style
-8B and 70B models over W and link speeds.
+``simulate_ranks`` runs several ranks, each with its own compute, coupled by their collectives (a
+collective starts when the last rank issued it); a :class:`Contention` makes compute and in-flight
+collectives slow each other down, as on CPU hosts where gloo's thread shares the cores.
+
+``python -m benchmarks.overlap`` validates it against measured W = 2 gloo steps on CPU (against a
+null model, step = compute, too) and sweeps Llama-style 8B and 70B models over W and link speeds.
+
+What the CPU validation can and cannot show: there, every input is measured on the same machine
+(the link from stand-alone collectives, compute from a run without communication, contention from
+a separate probe), and the simulator predicts the non-compute part of the step. The GPU
+predictions (NVLink, InfiniBand, Ethernet; no contention) rest on assumed link speeds and FLOP
+rates and are not validated by it. Known gaps on CPU: contention is two average rates measured
+with one kernel; per-step jitter of a rank is sampled by one comm-free step per round; the
+wake-up latency of a thread blocked in a wait and the runtime's own Python overhead are not
+modelled.
 """
 
 from .contention import Contention, contention_rates, fit_contention

@@ -620,8 +620,9 @@ def _prediction(runtime: _Runtime, label: str, record_timeline: bool) -> Predict
     )
 
 
-def _close(old, new) -> bool:
-    return old is not None and all(abs(a - b) <= _EPS * max(1.0, abs(a)) for a, b in zip(old, new))
+def _not_later(new, old) -> bool:
+    """Whether no time in ``new`` is later than the same one in ``old`` (None: not yet known)."""
+    return old is not None and all(b <= a + 1e-12 + _EPS * abs(a) for a, b in zip(old, new))
 
 
 def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str", *,
@@ -640,9 +641,11 @@ def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str",
     ``Model`` (the same units and bytes, its own measured compute) and the i-th collective of the
     run starts on no rank before the last rank issued it, and ends on no rank before the last rank
     finished it (a ring moves at the pace of its slowest member: under host contention the ranks'
-    progress differs). The ranks' times are found by fixed-point iteration (each rank simulated
-    against the others' issue and end times of the previous round), exact after at most twice as
-    many rounds as there are collectives (the i-th collective depends only on those before it). Ranks that are not listed (``world_size`` > ``len(models)``) are
+    progress differs). The ranks' times are found by fixed-point iteration: each rank is simulated
+    against the latest issue and end times the other ranks reached so far, until no time moves
+    later. Without host contention this is the exact coupled timeline (the i-th collective depends
+    only on those before it); with it, two nearby timelines can feed each other (a rank's compute
+    speed depends on when its collectives end), and the iteration keeps the later one. Ranks that are not listed (``world_size`` > ``len(models)``) are
     taken to be as fast as the fastest listed one, i.e. they delay nothing.
 
     Args:
@@ -700,12 +703,15 @@ def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str",
             break
         latest = [tuple([max(times[q][i] for q in range(n_ranks) if q != r) for i in range(len(issues[0]))]
                         for times in (issues, ends)) for r in range(n_ranks)]
-        if all(_close(old, new) for p, l in zip(peers, latest) for old, new in zip(p, l)):
+        if all(_not_later(new, old) for p, l in zip(peers, latest) for old, new in zip(p, l)):
             break
         rounds += 1
-        if rounds > 2 * len(issues[0]) + 2:  # cannot happen: the i-th collective is exact after 2i rounds
-            raise RuntimeError("simulate_ranks: the ranks' collective times did not converge")
-        peers = latest
+        if rounds > 4 * len(issues[0]) + 10:
+            raise RuntimeError(f"simulate_ranks: the ranks' collective times did not converge in {rounds} rounds")
+        # Never move a peer time earlier: the iteration is then monotone and settles even where host
+        # contention makes it flip between two nearby solutions (it keeps the later one).
+        peers = [tuple(new if old is None else [max(a, b) for a, b in zip(old, new)] for old, new in zip(p, l))
+                 for p, l in zip(peers, latest)]
     return [_prediction(rt, label, record_timeline) for rt in runs]
 
 

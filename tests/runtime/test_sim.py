@@ -315,6 +315,28 @@ def test_a_slow_rank_makes_the_fast_one_wait_inside_collectives(kwargs):
         assert x[:2] == y[:2] and x[2] == pytest.approx(y[2]) and x[3] == pytest.approx(y[3])
 
 
+def _rank(root_fb, blocks_fb, before, after, loss, optimizer) -> sim.Model:
+    root = sim.Unit("<root>", 32896, *root_fb, param_bytes=4)
+    blocks = tuple(sim.Unit(f"layers.{i}", 262400, f, b, param_bytes=4) for i, (f, b) in enumerate(blocks_fb))
+    return sim.Model(root, blocks, root_forward_before=before, root_backward_after=after, loss_s=loss,
+                     optimizer_s=optimizer)
+
+
+def test_coupled_ranks_settle_under_extreme_contention():
+    # Two ranks as measured once by the toy benchmark: an all-gather that barely moves while its rank
+    # computes makes each rank's compute speed depend on when the other rank ends the collective, and
+    # plain fixed-point iteration flipped between two timelines 2 µs apart for ever.
+    ranks = [_rank((0.00144, 0.00168), [(0.0018, 0.00259), (0.0015, 0.00228)], 0.483, 0.291, 0.000602, 0.000726),
+             _rank((0.0015, 0.00222), [(0.00188, 0.00276), (0.00167, 0.00349)], 0.469, 0.267, 0.000784, 0.000477)]
+    link = sim.Link("gloo", 0.000609, 887e6, reduce_scatter_alpha_s=0.00077, reduce_scatter_bandwidth=325e6)
+    contention = sim.Contention(0.581, 0.001, reduce_scatter_compute_rate=0.613, reduce_scatter_comm_rate=0.892)
+    for kwargs in ({}, {"reshard_after_forward": False}):
+        a, b = sim.simulate_ranks(ranks, 2, link, contention=contention, shared_comm_stream=True, host_blocking=True,
+                                  copy_bandwidth=[1.99e9, 2.02e9], steps=3, **kwargs)
+        assert a.step_s == pytest.approx(b.step_s, rel=1e-6)
+        assert a.step_s >= max(r.compute_s() for r in ranks)
+
+
 def test_bad_simulate_ranks_arguments():
     model = _model()
     other = _model(block_numel=2 * MB)
