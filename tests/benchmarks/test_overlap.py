@@ -8,7 +8,7 @@ import csv
 import pytest
 
 from benchmarks.overlap import (
-    EXPOSED_COLUMNS, NONCOMPUTE_COLUMNS, SCHEDULES, STEP_COLUMNS, TARGET_PCT, main, parse_args,
+    EXPOSED_COLUMNS, NONCOMPUTE_COLUMNS, SCHEDULES, STEP_COLUMNS, TARGET_PCT, VERDICT_COLUMNS, main, parse_args,
 )
 
 
@@ -49,10 +49,16 @@ def test_toy_run_writes_every_file_with_every_column(tmp_path):
             assert r["host_ms"] >= r["sim_ms"] - 1e-9
             assert 0 < r["compute_rate"] <= 1 and 0 < r["comm_rate"] <= 1
     md = (tmp_path / "overlap_validation.md").read_text()
-    for columns in (STEP_COLUMNS, NONCOMPUTE_COLUMNS, EXPOSED_COLUMNS):
+    for columns in (STEP_COLUMNS, VERDICT_COLUMNS, NONCOMPUTE_COLUMNS, EXPOSED_COLUMNS):
         assert "| " + " | ".join(columns) in md
-    assert f"Target (|error| <= {TARGET_PCT:.0f}% of the measured step)" in md
-    assert "closer than its null model" in md and "Host contention" in md
+    assert f"## Verdict: step within {TARGET_PCT:.0f}%, and against the null model" in md
+    assert "Host contention" in md and "measured *without communication*" in md
+    # the verdict table agrees with the rows: one line per configuration and predictor
+    verdicts = [line for line in md.splitlines() if line.startswith("| compute-bound | sim") or
+                line.startswith("| comm-heavy | sim")]
+    assert len(verdicts) == 2 * 3
+    default = next(r for r in rows if r["config"] == "comm-heavy" and r["schedule"] == "fwd+bwd (default)")
+    assert default["null_ms"] < default["sim_ms"]
 
     sweep = _csv(tmp_path / "overlap.csv")
     assert {int(r["world_size"]) for r in sweep} == {8, 64, 512, 4096}
