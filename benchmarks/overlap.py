@@ -5,11 +5,12 @@
 1. **Validation (CPU, W = 2, gloo)**, per configuration of :data:`CONFIGS` (a compute-bound Llama and
    a communication-heavy one: wide blocks, 8 tokens per rank), in one pair of processes:
 
-   (a) *Link*: gloo all-gathers and reduce-scatters of 64 KiB..16 MiB, timed alone; the ring model's
-       α and β fitted by least squares (``sim.fit_link``).
-   (b) *Host contention*: a matmul of the model's shape and a block-sized collective, timed alone
-       and at once (``sim.fit_contention``): how much compute and communication slow each other
-       down on the shared cores.
+   (a) *Link*: gloo all-gathers and reduce-scatters of 64 KiB..16 MiB, timed alone (from the
+       return of the issuing call); the ring model's α and β fitted by least squares
+       (``sim.fit_link``).
+   (b) *Host contention*: a matmul of the model's shape and a 32 MiB collective, timed alone and
+       at once (``sim.fit_contention``): how much compute and communication slow each other down
+       on the shared cores.
    (c) *Compute, without communication*: a twin of the model on each rank, sharded over a group of
        one (``LocalCommunicator``), traced by ``flashfsdp.profile()``: per-unit forward/backward,
        loss, pack, accumulate and copy-in, with no collective in flight; the optimizer step timed
@@ -42,7 +43,14 @@
    contention).
 
 Writes ``overlap_validation.{csv,md,png}`` and ``overlap.{csv,md,png}`` to ``--out`` (default
-``benchmarks/results/<device>/``).
+``benchmarks/results/<device>/``). ``--quick`` shrinks everything to toy sizes for a smoke test
+(its figures mean nothing).
+
+Limits of the CPU validation (also in the notes it writes): gloo's thread shares 2 cores with 2
+ranks' compute, which the contention model folds into two measured average rates; per-step jitter
+is sampled by one comm-free step per round; the wake-up latency of a thread blocked in ``wait()``
+and the W = 2 runtime's own Python overhead beyond the W = 1 twin's are not modelled, so the
+non-compute time of a compute-bound step is underpredicted.
 """
 
 from __future__ import annotations
