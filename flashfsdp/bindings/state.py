@@ -256,7 +256,9 @@ class FSDPState:
                 # its gathered parameters, stale after the next optimizer step or load.
                 for state in list(self.ctx.prefetched):
                     state.reshard()
-        elif self.reshard_after_forward:
+        elif self.reshard_after_forward and not (
+            self.ctx is not None and self.ctx.policy.keep_for_backward(self, self.ctx.order)
+        ):
             self.reshard(to_secondary=True)
         self.training_state = TrainingState.IDLE
         output = apply_to_tensors(self._pre_backward, output)

@@ -14,6 +14,13 @@ The runtime (``flashfsdp.bindings``) and the overlap simulator replay the same p
   post-forward, as FSDP2 does, makes the root — whose forward ends last — prefetch the last block.
   A unit that ran k times in forward starts k backwards, last forward first: its j-th backward
   prefetches the predecessor of its (k-j+1)-th forward (``record_pre_backward`` counts them).
+- **Keep the last unit for backward**: the unit whose forward ends last before the root's (the
+  last block) is the first one the backward needs. Resharding it after its forward only to
+  all-gather it again at once costs an all-gather that nothing can hide (only the loss and the
+  root's short backward run in between), so while implicit backward prefetch is on and the step
+  follows the recorded order, that unit keeps its parameters (``keep_for_backward``). torchtitan
+  does the same by hand (``reshard_after_forward=False`` on the last block); the price is that
+  block's unsharded parameters held through the loss. ``max_inflight = 0`` turns it off.
 - Explicit lists (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``)
   replace the implicit choice for that unit.
 - At most ``max_inflight`` prefetched units may be unsharded ahead of compute.
@@ -37,12 +44,15 @@ class ExecutionOrder:
     previous: list | None = None
     diverged: bool = False
     post_forward: list = field(default_factory=list)
+    previous_post_forward: list | None = None
     backward_starts: dict = field(default_factory=dict)
 
     def start_step(self) -> None:
         """Close the step being recorded (it becomes ``previous``) and start a new one."""
         if self.current:
             self.previous = self.current
+        if self.post_forward:
+            self.previous_post_forward = self.post_forward
         self.current = []
         self.post_forward = []
         self.backward_starts = {}
@@ -74,6 +84,16 @@ class ExecutionOrder:
         if pos < 0 or self.current[pos] != key or pos + 1 >= len(prev):
             return None
         return prev[pos + 1]
+
+    def ends_forward_before_root(self, key: Key) -> bool:
+        """Whether the forward of ``key`` that just ended is the last non-root forward of the step:
+        in the last complete step ``key`` ended its forward just before the root did (the root's
+        forward ends last), this step has followed that step's order so far, and ``key`` has now
+        ended as many forwards as it did then."""
+        prev = self.previous_post_forward
+        if prev is None or len(prev) < 2 or self.diverged or prev[-2] != key:
+            return False
+        return self.post_forward.count(key) == prev.count(key)
 
     def previous_in_forward(self, key: Key) -> Key | None:
         """The unit whose forward ended just before the forward of ``key`` that the current backward
@@ -120,6 +140,12 @@ class PrefetchPolicy:
             return list(explicit)
         prv = order.previous_in_forward(key) if self.backward else None
         return [prv] if prv is not None and prv != key else []
+
+    def keep_for_backward(self, key: Key, order: ExecutionOrder) -> bool:
+        """Whether ``key`` should keep its unsharded parameters after the forward that just ended
+        (it is the first unit the backward needs; see the module docstring). Only while implicit
+        backward prefetch is on and prefetching is allowed (``max_inflight > 0``)."""
+        return self.backward and self.max_inflight > 0 and order.ends_forward_before_root(key)
 
     def admit(self, targets: Sequence[Key], inflight: int) -> list:
         """The prefix of ``targets`` that fits under ``max_inflight`` given ``inflight`` prefetched."""

@@ -31,7 +31,8 @@ Per step, mirroring ``FSDPState`` (``_pre_forward``, ``_post_forward``, ``_pre_b
    ``policy.forward_targets(root)`` (candidates still sharded, ``policy.admit`` against the number
    prefetched); the root's forward compute before its first block.
 2. every block, in order: ``order.record``; wait own all-gather; prefetch forward targets; forward
-   compute; reshard (if ``reshard_after_forward``; the root never reshards after forward).
+   compute; reshard (if ``reshard_after_forward`` and not ``policy.keep_for_backward``: the last
+   block keeps its parameters for the backward; the root never reshards after forward).
 3. the rest of the root's forward; the loss (``Model.loss_s``).
 4. root pre-backward: wait own all-gather (still unsharded), prefetch
    ``policy.backward_targets(root)``; the root's backward compute before the blocks'.
@@ -469,7 +470,7 @@ class _Runtime:
             self.prefetch(self.policy.forward_targets(name, self.order, self.fwd_lists.get(name)))
             self._compute(self.states[name].unit.forward_s, "forward", name)
             self.order.record_post_forward(name)
-            if self.reshard_after_forward:
+            if self.reshard_after_forward and not self.policy.keep_for_backward(name, self.order):
                 self.reshard(name)
         self._compute(model.root.forward_s * (1 - model.root_forward_before), "forward", root)
         self.order.record_post_forward(root)

@@ -50,14 +50,15 @@ def _count_all_gathers(model) -> collections.Counter:
 
 
 def test_unit_run_twice_gets_one_all_gather_per_forward_and_backward():
-    """Forward a b c a, backward a c b a: each forward and backward of a unit all-gathers it once;
-    the second backward of a must not prefetch c again (its backward is over)."""
+    """Forward a b c a, backward a c b a: each forward and backward of a unit all-gathers it once,
+    except a's last forward, whose parameters a keeps for its first backward (it ends just before
+    the root's: keep_for_backward); the second backward of a must not prefetch c again."""
     model = _sharded_chain()
     x = torch.randn(2, 5)
     model(x).sum().backward()  # records the order
     counts = _count_all_gathers(model)
     model(x).sum().backward()
-    assert counts == {"a": 4, "b": 2, "c": 2, "root": 1}
+    assert counts == {"a": 3, "b": 2, "c": 2, "root": 1}
 
 
 def test_no_grad_forward_that_skips_a_prefetched_unit_leaves_it_sharded():
@@ -111,3 +112,34 @@ def test_implicit_forward_and_backward_prefetch_happen():
     blocks(x).sum().backward()
     assert seen["forward"] and all(s is not ShardState.SHARDED for s in seen["forward"])
     assert seen["backward"] and all(s is not ShardState.SHARDED for s in seen["backward"])
+
+
+def test_last_block_keeps_its_parameters_for_backward():
+    """From the second step the block whose forward ends last before the root's stays unsharded
+    through the loss (backward needs it first): one all-gather per step instead of two. Not with
+    max_inflight 0 (the memory-lean setting)."""
+    for max_inflight, kept in ((2, True), (0, False)):
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+        for b in blocks:
+            flashfsdp.fully_shard(b)
+        flashfsdp.fully_shard(blocks)
+        blocks.set_max_inflight_all_gathers(max_inflight)
+        x = torch.randn(2, 4)
+        blocks(x).sum().backward()
+        gathers = collections.Counter()
+        last = blocks[2]._flashfsdp_state.unit
+        original = last.unshard
+
+        def unshard(original=original):
+            if last.state in (ShardState.SHARDED, ShardState.SECONDARY):
+                gathers["last"] += 1
+            return original()
+
+        last.unshard = unshard
+        out = blocks(x)
+        assert (last.state is ShardState.UNSHARDED) is kept
+        assert all(b._flashfsdp_state.unit.state is ShardState.SHARDED for b in blocks[:2])
+        out.sum().backward()
+        assert gathers["last"] == (1 if kept else 2)
+        assert all(b._flashfsdp_state.unit.state is ShardState.SHARDED for b in blocks)

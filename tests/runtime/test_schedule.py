@@ -94,3 +94,28 @@ def test_explicit_lists_win_and_in_flight_limit_applies():
     assert policy.admit(["b"], inflight=2) == []
     with pytest.raises(ValueError, match="max_inflight must be >= 0"):
         PrefetchPolicy(max_inflight=-1)
+
+
+def test_the_unit_ending_forward_just_before_the_root_is_kept_for_backward():
+    """Root r around blocks a b: b's forward ends just before r's, so from the second step b keeps
+    its parameters (backward needs it first); not with max_inflight 0, not once the order changed."""
+    order, policy = ExecutionOrder(), PrefetchPolicy()
+
+    def forward(keys_pre, keys_post, check):
+        order.start_step()
+        for k in keys_pre:
+            order.record(k)
+        kept = []
+        for k in keys_post:
+            order.record_post_forward(k)
+            kept.append(check(k))
+        return kept
+
+    assert forward("rab", "abr", lambda k: policy.keep_for_backward(k, order)) == [False] * 3  # nothing recorded
+    assert forward("rab", "abr", lambda k: policy.keep_for_backward(k, order)) == [False, True, False]
+    lean = PrefetchPolicy(max_inflight=0)
+    assert forward("rab", "abr", lambda k: lean.keep_for_backward(k, order)) == [False] * 3
+    assert forward("rba", "bar", lambda k: policy.keep_for_backward(k, order)) == [False] * 3  # diverged
+    # A unit that runs twice is kept only after its last forward.
+    forward("raba", "abar", lambda k: False)
+    assert forward("raba", "abar", lambda k: policy.keep_for_backward(k, order)) == [False, False, True, False]

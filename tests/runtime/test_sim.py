@@ -110,11 +110,12 @@ def test_prefetch_hides_communication_when_compute_exceeds_it():
 def test_explicit_prefetch_list_goes_through_the_policy():
     model = _model(root_forward_before=0.9, root_backward_after=0.5)
     implicit = sim.simulate(model, W, LINK)
-    # An empty explicit list for the root overrides the implicit prefetch of the last block.
-    explicit = sim.simulate(model, W, LINK, backward_prefetch={"<root>": []})
+    # An empty explicit list for the last block overrides its implicit prefetch of the one before
+    # (the last block itself keeps its parameters for backward: keep_for_backward).
+    explicit = sim.simulate(model, W, LINK, backward_prefetch={model.blocks[-1].name: []})
     assert implicit.exposed_s == pytest.approx(_ag(model.root) + _rs(model.root))
-    assert explicit.exposed_s == pytest.approx(_ag(model.root) + _ag(model.blocks[-1]) + _rs(model.root))
-    assert explicit.step_s == pytest.approx(implicit.step_s + _ag(model.blocks[0]))
+    assert explicit.exposed_s == pytest.approx(_ag(model.root) + _ag(model.blocks[-2]) + _rs(model.root))
+    assert explicit.step_s == pytest.approx(implicit.step_s + _ag(model.blocks[-2]))
 
 
 def test_simulator_drives_the_runtime_policy():
@@ -171,7 +172,9 @@ def test_host_blocking_waits_on_reductions():
             starts_after = bwd[f"layers.{i}"].start >= rs[f"layers.{i + 2}"].end - 1e-12
             assert starts_after == blocked, (blocked, i)
     copy = sim.simulate(model, W, LINK, host_blocking=True, copy_bandwidth=1e9)
-    gathered = model.root.unsharded_bytes(W) + 2 * sum(b.unsharded_bytes(W) for b in model.blocks)
+    # every block twice but the last one (kept for backward, see schedule.keep_for_backward)
+    gathered = model.root.unsharded_bytes(W) + 2 * sum(b.unsharded_bytes(W) for b in model.blocks[:-1])
+    gathered += model.blocks[-1].unsharded_bytes(W)
     assert copy.host_copy_s == pytest.approx(gathered / W / 1e9)  # this rank's shard, per all-gather
     assert copy.step_s > cpu.step_s
 
@@ -371,7 +374,7 @@ def test_reshard_after_forward_false_keeps_parameters_and_skips_backward_all_gat
     model = _model()
     on = sim.simulate(model, W, LINK)
     off = sim.simulate(model, W, LINK, reshard_after_forward=False)
-    assert on.all_gathers == 1 + 2 * len(model.blocks)
+    assert on.all_gathers == 1 + 2 * len(model.blocks) - 1  # the last block is kept for backward
     assert off.all_gathers == 1 + len(model.blocks)
     assert off.peak_bytes > on.peak_bytes
     # every unit's parameters are alive at the end of forward
@@ -480,3 +483,14 @@ def test_bad_simulate_arguments():
         sim.llama3_8b(tokens_per_rank=0)
     with pytest.raises(ValueError, match="flops_per_s"):
         sim.llama3_8b(flops_per_s=0)
+
+
+def test_keeping_the_last_block_for_backward_saves_its_all_gather():
+    """keep_for_backward: one all-gather fewer per step than a policy without it (max_inflight
+    large enough), and never a longer step; max_inflight = 0 gathers the last block twice."""
+    model = _model()
+    kept = sim.simulate(model, W, LINK)
+    lean = sim.simulate(model, W, LINK, policy=PrefetchPolicy(max_inflight=0))
+    assert kept.all_gathers == 2 * len(model.blocks)
+    assert lean.all_gathers == 1 + 2 * len(model.blocks)
+    assert kept.step_s <= lean.step_s
