@@ -109,7 +109,7 @@ def _operations(system: str, model: nn.Module, opt: torch.optim.Optimizer, where
     import flashfsdp  # noqa: PLC0415
 
     rank = dist.get_rank()
-    sharded, full = os.path.join(where, f"{system}_sharded"), os.path.join(where, f"{system}_full.pt")
+    full = os.path.join(where, f"{system}_full.pt")
 
     def full_save(get) -> None:
         sd = get()
@@ -122,19 +122,19 @@ def _operations(system: str, model: nn.Module, opt: torch.optim.Optimizer, where
 
     if system == "flashfsdp":
         return {
-            ("sharded", "save"): lambda: flashfsdp.checkpoint.save(sharded, model, opt, step=1),
-            ("sharded", "load"): lambda: flashfsdp.checkpoint.load(sharded, model, opt),
-            ("full", "save"): lambda: full_save(lambda: flashfsdp.get_full_state_dict(model)),
-            ("full", "load"): lambda: full_load(lambda sd: flashfsdp.set_full_state_dict(model, sd)),
+            ("sharded", "save"): lambda i: flashfsdp.checkpoint.save(_sharded_path(where, system, i), model, opt, step=1),
+            ("sharded", "load"): lambda i: flashfsdp.checkpoint.load(_sharded_path(where, system, i), model, opt),
+            ("full", "save"): lambda i: full_save(lambda: flashfsdp.get_full_state_dict(model)),
+            ("full", "load"): lambda i: full_load(lambda sd: flashfsdp.set_full_state_dict(model, sd)),
         }
 
-    def fsdp2_save() -> None:
+    def fsdp2_save(i: int) -> None:
         state = {"model": dsd.get_model_state_dict(model), "optim": dsd.get_optimizer_state_dict(model, opt)}
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(sharded, overwrite=True))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(_sharded_path(where, system, i)))
 
-    def fsdp2_load() -> None:
+    def fsdp2_load(i: int) -> None:
         state = {"model": dsd.get_model_state_dict(model), "optim": dsd.get_optimizer_state_dict(model, opt)}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(sharded))
+        dcp.load(state, storage_reader=dcp.FileSystemReader(_sharded_path(where, system, i)))
         dsd.set_model_state_dict(model, state["model"])
         dsd.set_optimizer_state_dict(model, opt, state["optim"])
 
@@ -143,9 +143,16 @@ def _operations(system: str, model: nn.Module, opt: torch.optim.Optimizer, where
     return {
         ("sharded", "save"): fsdp2_save,
         ("sharded", "load"): fsdp2_load,
-        ("full", "save"): lambda: full_save(lambda: dsd.get_model_state_dict(model, options=full_options)),
-        ("full", "load"): lambda: full_load(lambda sd: dsd.set_model_state_dict(model, sd or {}, options=load_options)),
+        ("full", "save"): lambda i: full_save(lambda: dsd.get_model_state_dict(model, options=full_options)),
+        ("full", "load"): lambda i: full_load(lambda sd: dsd.set_model_state_dict(model, sd or {}, options=load_options)),
     }
+
+
+def _sharded_path(where: str, system: str, round_index: int) -> str:
+    """Round ``round_index``'s sharded checkpoint: a new directory every round, as a training loop
+    saves ``step_N`` directories (replacing one in place would add flashfsdp's atomic swap, the
+    deletion of the old checkpoint, which DCP's in-place overwrite skips)."""
+    return os.path.join(where, f"{system}_sharded_{round_index}")
 
 
 def _size(path: str) -> int:
@@ -194,19 +201,21 @@ def _run_system(rank: int, world_size: int, system: str, args, where: str) -> di
     opt.zero_grad(set_to_none=True)
     ops = _operations(system, model, opt, where)
     out = {}
-    for _ in range(1 + args.repeats):  # the first round is the cold one
+    for i in range(1 + args.repeats):  # the first round is the cold one
+        if i and rank == 0:  # the previous round's checkpoint goes, outside the timed region
+            shutil.rmtree(_sharded_path(where, system, i - 1), ignore_errors=True)
         for key in OPERATIONS:
             dist.barrier()
             with PeakMemory(device) as mem:
                 t0 = time.perf_counter()
-                ops[key]()
+                ops[key](i)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dist.barrier()
                 ms = (time.perf_counter() - t0) * 1e3
             out.setdefault(key, []).append((ms, mem.peak))
-    sizes = {kind: _size(os.path.join(where, f"{system}_sharded" if kind == "sharded" else f"{system}_full.pt"))
-             for kind in ("sharded", "full")}
+    sizes = {"sharded": _size(_sharded_path(where, system, args.repeats)),
+             "full": _size(os.path.join(where, f"{system}_full.pt"))}
     full_bytes = sum(p.numel() * p.element_size() for p in _model(args, torch.device("meta")).parameters())
     largest_unit, shard = _unit_sizes(model)
     # rank 0 holds the full state dict (the result) in host memory during the full operations
@@ -317,8 +326,10 @@ def main(argv=None) -> list[dict]:
              f"(peak_mem_MiB the largest rank's; on CPU it includes the allocator's retention and is noisy by tens "
              f"of MiB).",
              "sharded: flashfsdp.checkpoint.save/load vs dcp.save/load of FSDP2's get_model_state_dict + "
-             "get_optimizer_state_dict (same DCP file-system writer/reader); full: model only, gathered to rank 0 "
-             "and torch.save'd / torch.load'ed on rank 0 and broadcast.",
+             "get_optimizer_state_dict (same DCP file-system writer/reader); every round saves into a new "
+             "directory, as a training loop saves step_N (the previous round's is removed outside the timed "
+             "region; replacing a checkpoint in place would add flashfsdp's atomic swap, the deletion of the old "
+             "one); full: model only, gathered to rank 0 and torch.save'd / torch.load'ed on rank 0 and broadcast.",
              "Full rows: bound_MiB is the goal's bound per rank, the largest unsharded unit (largest_unit_MiB) plus "
              "this rank's shard of the parameters; held_MiB is the full state dict rank 0 holds in the measured "
              "memory (CPU only: it is the result, in host memory by design); verdict compares peak - held with the "
