@@ -10,12 +10,8 @@ from flashfsdp.bindings.fully_shard import FSDPModule, UnshardHandle, fully_shar
 from flashfsdp.bindings.functional import all_gather_with_grad
 from flashfsdp.bindings.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from flashfsdp.bindings.sharded_tensor import ShardedPiece
-from flashfsdp.bindings.state_dict import (
-    get_full_state_dict,
-    get_optimizer_state_dict,
-    set_full_state_dict,
-    set_optimizer_state_dict,
-)
+from flashfsdp.bindings.full_state_dict import get_full_state_dict, set_full_state_dict
+from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from flashfsdp import checkpoint  # flashfsdp.checkpoint.save / load / latest
 from flashfsdp.runtime.trace import profile
 

@@ -44,13 +44,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flashfsdp.bindings.state_dict import (
-    agree,
-    get_optimizer_state_dict,
-    global_rank,
-    global_world_size,
-    set_optimizer_state_dict,
-)
+from flashfsdp.bindings.agreement import agree, global_rank, global_world_size
+from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 MARKER = "flashfsdp.json"
 EXTRA = "extra.pt"
@@ -359,7 +354,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Collective. The checkpoint is checked first on every rank (marker, DCP metadata, every shard
     file, ``extra.pt``, every parameter's name and shape), then DCP reads each rank's pieces straight
     into the sharded parameters and optimizer state (resharding as needed), and
-    ``model.load_state_dict`` / :func:`~flashfsdp.bindings.state_dict.set_optimizer_state_dict`
+    ``model.load_state_dict`` / :func:`~flashfsdp.bindings.optim_state_dict.set_optimizer_state_dict`
     finish the load (optimizer hyperparameters such as ``lr`` and the param groups come from the
     checkpoint). Works at W = 1 without torch.distributed initialised.
 

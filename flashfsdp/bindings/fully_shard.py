@@ -20,6 +20,7 @@ from flashfsdp.runtime.unit import ShardedUnit
 
 from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState
+from .optim_state_dict import register_optimizer_step_hook
 from .state_dict import install_state_dict_hooks
 
 _COMMUNICATOR_KINDS = ("auto", "nccl", "process_group")
@@ -262,6 +263,8 @@ def fully_shard(
     # state_dict() yields each unit parameter as a ShardedPiece that torch.distributed.checkpoint
     # saves and reshards; load_state_dict() writes into the sharded pieces (see state_dict.py).
     install_state_dict_hooks(module, state)
+    # Optimizers over the pieces get their state-dict hooks at their first step (optim_state_dict.py).
+    register_optimizer_step_hook()
     # Names are relative to the module of each fully_shard call: the nested units' names (their
     # own subtrees included) now get the prefix of the child module that holds them.
     for prefix, child in nested:
