@@ -68,13 +68,14 @@ def test_in_process_ranks_need_a_one_rank_group():
 
 
 def test_peak_memory_reset_forgets_what_came_before():
-    n = 16 * 2**20  # 64 MiB of fp32, touched so that it is resident
+    size = 256 * 2**20  # bytes of fp32, touched so that they are resident
     meter = PeakMemoryMeter(torch.device("cpu"))
     meter.reset()
-    big = torch.ones(n)
+    big = torch.ones(size // 4)
     high = meter.peak_bytes()
-    assert high >= 60 * 2**20
+    # Most of it shows as growth (the allocator may reuse a few MiB that were already resident).
+    assert high >= size // 2
     del big
     meter.reset()
-    assert meter.peak_bytes() < high - 32 * 2**20  # the 64 MiB freed before the reset no longer count
+    assert meter.peak_bytes() < high - size // 4  # what was freed before the reset no longer counts
     assert "since the reset" in meter.description
