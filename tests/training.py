@@ -75,12 +75,7 @@ def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
             mine[name] = (0, tuple(p.shape), p.detach().reshape(-1).clone())
         else:
             mine[name] = (piece.param_start, tuple(p._flashfsdp_full_shape), p.detach().clone())
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    everyone = [None] * world
-    if world > 1:
-        dist.all_gather_object(everyone, mine)
-    else:
-        everyone = [mine]
+    everyone = _everyone(mine)
     full = {}
     for rank_pieces in everyone:
         for name, (start, shape, data) in rank_pieces.items():
@@ -88,6 +83,35 @@ def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
             buf[start : start + data.numel()] = data.float()
     # ".inner." comes from the activation-checkpointing wrapper; the reference has no wrapper.
     return {name.replace(".inner.", "."): buf.view(everyone[0][name][1]) for name, buf in full.items()}
+
+
+def _everyone(mine: object) -> list:
+    """Every rank's ``mine`` (all_gather_object), or ``[mine]`` without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def gather_full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """name -> {state key: full tensor} assembled from every rank's optimizer state of its pieces.
+
+    Collective. Independent of the runtime's own state dicts: it only reads each piece's recorded
+    range; scalars (``step``) are taken as they are.
+    """
+    mine = {name: (p._flashfsdp_piece.param_start, tuple(p._flashfsdp_full_shape),
+                   {k: v.clone() for k, v in opt.state[p].items()}) for name, p in model.named_parameters()}
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    for pieces in _everyone(mine):
+        for name, (start, shape, entries) in pieces.items():
+            for key, value in entries.items():
+                if value.dim() == 0:
+                    full.setdefault(name, {})[key] = value
+                else:
+                    flat = full.setdefault(name, {}).setdefault(key, torch.full(shape, float("nan"))).view(-1)
+                    flat[start : start + value.numel()] = value
+    return full
 
 
 def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None,

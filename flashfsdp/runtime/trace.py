@@ -73,7 +73,7 @@ def torch_profiler_enabled() -> bool:
 def label(kind: str, unit: str) -> contextlib.AbstractContextManager:
     """``record_function("flashfsdp::<kind>::<unit>")`` while a torch profiler runs, else a shared
     no-op context (one C call: nothing is formatted or allocated)."""
-    if not torch._C._autograd._profiler_enabled():
+    if not torch_profiler_enabled():
         return _NO_LABEL
     return torch.profiler.record_function(f"flashfsdp::{kind}::{unit}")
 
@@ -96,9 +96,9 @@ def labelled(kind: str, unit_name: Callable[[object], str] = _unit_name_of) -> C
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
-            if not torch._C._autograd._profiler_enabled():
+            if not torch_profiler_enabled():  # no name to format
                 return method(self, *args, **kwargs)
-            with torch.profiler.record_function(f"flashfsdp::{kind}::{unit_name(self)}"):
+            with label(kind, unit_name(self)):
                 return method(self, *args, **kwargs)
 
         return wrapper

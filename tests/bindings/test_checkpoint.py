@@ -21,7 +21,8 @@ from flashfsdp.kernels.dispatch import use_backend
 from flashfsdp.models.llama import Llama, LlamaConfig
 from tests.harness import run_distributed
 from tests.models import llama_units, loss_fn, make_batch, make_mlp
-from tests.training import gather_full_params, local_rows, make_model, train_flashfsdp, train_reference
+from tests.training import (gather_full_optimizer_state, gather_full_params, local_rows, make_model, train_flashfsdp,
+                            train_reference)
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 FP32_PARAMS = dict(rtol=1e-5, atol=1e-5)
@@ -80,28 +81,8 @@ def _sharded_mlp(seed: int = 0):
     return model
 
 
-def _full_optimizer_state(model, opt) -> dict:
-    """name -> {key: full tensor}, assembled from every rank's pieces (independent of the checkpoint code)."""
-    mine = {name: (p._flashfsdp_piece.param_start, tuple(p._flashfsdp_full_shape),
-                   {k: v.clone() for k, v in opt.state[p].items()}) for name, p in model.named_parameters()}
-    everyone = [mine]
-    if torch.distributed.is_initialized():
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, mine)
-    full = {}
-    for pieces in everyone:
-        for name, (start, shape, entries) in pieces.items():
-            for key, value in entries.items():
-                if value.dim() == 0:
-                    full.setdefault(name, {})[key] = value
-                else:
-                    flat = full.setdefault(name, {}).setdefault(key, torch.full(shape, float("nan"))).view(-1)
-                    flat[start : start + value.numel()] = value
-    return full
-
-
 def _optimizer_result(model, opt) -> dict:
-    return {"state": _full_optimizer_state(model, opt), "lr": opt.param_groups[0]["lr"],
+    return {"state": gather_full_optimizer_state(model, opt), "lr": opt.param_groups[0]["lr"],
             "params": gather_full_params(model)}
 
 

@@ -30,7 +30,7 @@ from flashfsdp.bindings.sharded_tensor import flat_range_boxes
 from flashfsdp.kernels.dispatch import use_backend
 from tests.harness import run_distributed
 from tests.models import llama_units, loss_fn, make_batch, make_llama
-from tests.training import train_flashfsdp, train_reference
+from tests.training import gather_full_optimizer_state, train_flashfsdp, train_reference
 
 FP32_PARAMS = dict(rtol=1e-5, atol=1e-5)
 EXACT = dict(rtol=0, atol=0)
@@ -74,12 +74,6 @@ def _adam_step(model, lr: float = 1e-2, seed: int = 0, whole_batch: bool = False
     return opt
 
 
-def _optimizer_pieces(model, opt) -> dict:
-    """name -> (start in the flattened parameter, full shape, {state key: this rank's tensor, cloned})."""
-    return {name: (p._flashfsdp_piece.param_start, tuple(p._flashfsdp_full_shape),
-                   {k: v.clone() for k, v in opt.state[p].items()}) for name, p in model.named_parameters()}
-
-
 def _dsd_round_trip(out: str) -> dict:
     """Stock DSD get_state_dict -> dcp.save -> dcp.load -> set_state_dict, model + Adam, same W."""
     model = _sharded(_llama())
@@ -96,7 +90,7 @@ def _dsd_round_trip(out: str) -> dict:
                   if not torch.equal(p, q) or opt.state[p].keys() != fresh_opt.state[q].keys()
                   or not all(torch.equal(v, fresh_opt.state[q][k]) for k, v in opt.state[p].items())]
     return {"dsd_types": types, "dsd_mismatched": mismatched, "dsd_lr": fresh_opt.param_groups[0]["lr"],
-            "dsd_pieces": _optimizer_pieces(model, opt), "dsd_params": get_full_state_dict(model)}
+            "dsd_optim": gather_full_optimizer_state(model, opt), "dsd_params": get_full_state_dict(model)}
 
 
 def _dsd_full_loads(rank: int) -> dict:
@@ -232,15 +226,7 @@ def test_stock_dsd_get_and_set_state_dict_with_optimizer(results):
     for r in (r0, r1):
         assert r["dsd_types"] == {"step": "Tensor", "exp_avg": "ShardedPiece", "exp_avg_sq": "ShardedPiece"}
         assert r["dsd_mismatched"] == [] and r["dsd_lr"] == 1e-2
-    want = {}  # every parameter's Adam state assembled from the two ranks' pieces
-    for r in (r0, r1):
-        for name, (start, shape, entries) in r["dsd_pieces"].items():
-            for key, value in entries.items():
-                if value.dim() == 0:
-                    want.setdefault(name, {})[key] = value
-                    continue
-                full = want.setdefault(name, {}).setdefault(key, torch.full(shape, float("nan")))
-                full.view(-1)[start : start + value.numel()] = value
+    want = r0["dsd_optim"]  # every parameter's Adam state assembled from the two ranks' pieces
     with use_backend("reference"):
         model = _sharded(_llama(seed=9))
         opt = torch.optim.Adam(model.parameters(), lr=0.5)
