@@ -17,7 +17,7 @@ setup(
     extras_require={
         "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
         "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "expecttest"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["flashfsdp-train=flashfsdp.train:main"]},

@@ -21,7 +21,6 @@ fires (the first forward's hook does).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -30,19 +29,11 @@ from torch.utils._pytree import tree_map
 
 from flashfsdp.runtime import trace
 from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
-from flashfsdp.runtime.unit import PendingReduce, ShardedUnit, ShardState
+from flashfsdp.runtime.states import ShardState, TrainingState
+from flashfsdp.runtime.unit import PendingReduce, ShardedUnit
 
 from .autograd import apply_to_tensors, in_backward, queue_final_callback
 from .mixed_precision import MixedPrecisionPolicy
-
-
-class TrainingState(enum.Enum):
-    """Where a unit is in the current step."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
 
 
 @dataclass

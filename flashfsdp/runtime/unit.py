@@ -22,7 +22,6 @@ whole division happens after the sum (f_pre = 1), as a single-process mean would
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -34,16 +33,8 @@ from .communicator import Communicator, Work
 from .flat_param import FlatParam
 from . import trace
 from .layout import align_elements
+from .states import ShardState
 from .streams import DeviceStreams, streams_for
-
-
-class ShardState(enum.Enum):
-    """Whether a unit's parameters are sharded, being gathered, or unsharded."""
-
-    SHARDED = "sharded"
-    SECONDARY = "sharded over the post-forward group"
-    UNSHARDING = "unsharding"
-    UNSHARDED = "unsharded"
 
 
 def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float, float]:

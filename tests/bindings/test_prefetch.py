@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import flashfsdp
-from flashfsdp.runtime.unit import ShardState
+from flashfsdp.runtime.states import ShardState
 
 
 class _Chain(nn.Module):
