@@ -83,12 +83,19 @@ def select_backend(device: torch.device) -> Backend:
     return "triton" if device.type == served else "reference"
 
 
-def _implementation(op: str, device_of: object):
+def _implementation(op: str, device_of: object, tensors: Sequence = ()):
     """The function running ``op`` for tensors on ``device_of``'s device (a non-tensor: the
-    reference, whose validation then raises the TypeError)."""
-    if isinstance(device_of, torch.Tensor) and select_backend(device_of.device) == "triton":
+    reference, whose validation then raises the TypeError). Any float64 tensor among
+    ``device_of`` and ``tensors`` selects the reference too: the kernels compute in fp32."""
+    if (isinstance(device_of, torch.Tensor) and select_backend(device_of.device) == "triton"
+            and not _any_float64(device_of, tensors)):
         return _TRITON_LAUNCHERS[op]
     return getattr(reference, op)
+
+
+def _any_float64(first: torch.Tensor, tensors: Sequence) -> bool:
+    return first.dtype == torch.float64 or any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in tensors)
 
 
 def flatten(
@@ -106,6 +113,7 @@ def flatten(
 
         out[offsets[i] : offsets[i] + n_i] = (t_i.reshape(-1).float() * scale).to(out.dtype)
 
+    (``.double()`` instead of ``.float()`` when ``t_i`` or ``out`` is float64)
     the cast rounding to nearest even; every element of ``out`` no tensor covers is set to 0.
     A ``None`` entry stands for a tensor that does not exist (a parameter without a gradient):
     its range ``[offsets[i], offsets[i] + numels[i])`` is zeroed like any gap (length 0 without
@@ -117,12 +125,12 @@ def flatten(
     the launch, no grouping by dtype) and writes the gaps' zeros in the same pass.
 
     Args:
-        tensors: sequence of tensors of dtype float32, bfloat16 or float16 (mixed dtypes allowed),
+        tensors: sequence of tensors of dtype float32, bfloat16, float16 or float64 (mixed dtypes allowed),
             or ``None``; all on ``out``'s device. Non-contiguous tensors are read through a
             ``.contiguous()`` copy.
         offsets: element offsets into ``out``, one per entry, in any order; the ranges must lie
             inside ``out`` and must not overlap.
-        out: 1-D contiguous float32/bfloat16/float16 buffer, written in place.
+        out: 1-D contiguous float32/bfloat16/float16/float64 buffer, written in place.
         scale: factor applied in fp32 before the cast (e.g. 1/world_size as pre-divide factor).
         numels: optional element count per entry; required to give ``None`` entries a length,
             and must equal ``t_i.numel()`` for tensors.
@@ -134,7 +142,7 @@ def flatten(
             contiguous; a tensor on another device, or sharing ``out``'s memory without being
             exactly ``out[offsets[i] : offsets[i] + n_i]``.
     """
-    return _implementation("flatten", out)(
+    return _implementation("flatten", out, tensors)(
         tensors, offsets, out, scale=scale, numels=numels
     )
 
@@ -151,10 +159,10 @@ def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.T
     back full parameters (loading, summoning full parameters, CPU offload), one launch per call.
 
     Args:
-        flat: 1-D contiguous float32/bfloat16/float16 buffer.
+        flat: 1-D contiguous float32/bfloat16/float16/float64 buffer.
         offsets: element offset of each output's range in ``flat``; ranges must lie inside ``flat``
             (they may overlap: reading twice is well defined).
-        outs: tensors of any shape and dtype float32/bfloat16/float16 on ``flat``'s device, written
+        outs: tensors of any shape and dtype float32/bfloat16/float16/float64 on ``flat``'s device, written
             in place. Non-contiguous outputs are written through a contiguous temporary and copied
             back (correct, one extra pass). Outputs must not overlap each other.
 
@@ -164,7 +172,7 @@ def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.T
             ``flat`` not 1-D and contiguous; an output on another device, or sharing ``flat``'s
             memory without being exactly ``flat[offsets[i] : offsets[i] + n_i]``.
     """
-    return _implementation("unflatten", flat)(
+    return _implementation("unflatten", flat, outs)(
         flat, offsets, outs
     )
 
@@ -178,7 +186,8 @@ def accumulate_grad_shard(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add (or assign) a reduced gradient shard into the master gradient; return its norm and flag.
 
-    Elementwise, in fp32, rounding once to ``dst.dtype`` (nearest even)::
+    Elementwise, in fp32 (in float64 when either tensor is float64), rounding once to
+    ``dst.dtype`` (nearest even)::
 
         dst = (dst.float() + src.float() * scale).to(dst.dtype)    # accumulate=True
         dst = (src.float() * scale).to(dst.dtype)                  # accumulate=False
@@ -190,16 +199,16 @@ def accumulate_grad_shard(
     (any rank's ``nonfinite``) their inputs without another read of the gradient.
 
     Args:
-        src: reduce-scatter output, any shape, float32/bfloat16/float16 (``reduce_dtype``);
+        src: reduce-scatter output, any shape, float32/bfloat16/float16/float64 (``reduce_dtype``);
             read through a ``.contiguous()`` copy if it is not contiguous.
         dst: master gradient shard, any shape with ``src.numel()`` elements, float32/bfloat16/
-            float16, on ``src``'s device, updated in place (through a contiguous temporary and a
+            float16/float64, on ``src``'s device, updated in place (through a contiguous temporary and a
             copy back if it is not contiguous).
         scale: factor applied to ``src`` in fp32 (e.g. the post-divide factor 1/world_size).
         accumulate: add into ``dst`` (True) or overwrite it (False, the first micro-batch).
 
     Returns:
-        ``(norm_sq, nonfinite)``: a 0-dim float32 tensor, the squared L2 norm of ``dst`` after the
+        ``(norm_sq, nonfinite)``: a 0-dim float32 (float64 for a float64 ``dst``) tensor, the squared L2 norm of ``dst`` after the
         update (summed in fp32 blocks of the stored values; relative error ~1e-6), and a 0-dim
         bool tensor, true if ``dst`` holds any inf or nan; both on ``dst``'s device, without a
         host synchronisation.
@@ -209,6 +218,6 @@ def accumulate_grad_shard(
         ValueError: a scale that is not finite in float32; ``src.numel() != dst.numel()``,
             different devices, ``src`` sharing ``dst``'s memory without being exactly ``dst``.
     """
-    return _implementation("accumulate_grad_shard", dst)(
+    return _implementation("accumulate_grad_shard", dst, (src,))(
         src, dst, scale=scale, accumulate=accumulate
     )

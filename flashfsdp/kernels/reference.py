@@ -8,7 +8,8 @@ errors. They run on any device torch supports, with torch ops per tensor (``copy
 
 Arithmetic contract shared by all ops: values are converted to fp32, multiplied by ``scale`` in
 fp32 (``x.float() * scale``), added in fp32 where the op accumulates, and rounded once to the
-destination dtype with round-to-nearest-even (``Tensor.to`` / ``Tensor.copy_``).
+destination dtype with round-to-nearest-even (``Tensor.to`` / ``Tensor.copy_``). Where a float64
+tensor takes part, the same happens in float64 (only this path serves float64).
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ from flashfsdp.kernels.validation import (
 )
 
 
-def _scaled_fp32(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x.float() * scale`` as a 1-D fp32 tensor (never aliasing ``x`` when it is scaled)."""
-    x = x.reshape(-1).float()
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp32, or float64 when any of ``dtypes`` is float64."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _scaled_fp32(x: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x.to(dtype) * scale`` as a 1-D tensor (never aliasing ``x`` when it is scaled)."""
+    x = x.reshape(-1).to(dtype)
     return x if scale == 1.0 else x * scale
 
 
@@ -57,7 +63,7 @@ def flatten(
         torch._foreach_copy_(views, [t if t.dim() == 1 else t.reshape(-1) for t, _, _ in entries])
     else:
         for view, (tensor, _, _) in zip(views, entries):
-            view.copy_(_scaled_fp32(tensor, scale))
+            view.copy_(_scaled_fp32(tensor, scale, _compute_dtype(tensor.dtype, out.dtype)))
     return out
 
 
@@ -92,8 +98,9 @@ def accumulate_grad_shard(
     Triton path does: the ops write buffers outside autograd.
     """
     scale = validate_accumulate_grad_shard(src, dst, scale)
-    update = _scaled_fp32(src, scale)
-    if dst.dtype == torch.float32 and dst.is_contiguous():
+    compute = _compute_dtype(src.dtype, dst.dtype)
+    update = _scaled_fp32(src, scale, compute)
+    if dst.dtype == compute and dst.is_contiguous():
         stored = dst.view(-1)
         if accumulate:
             stored.add_(update)
@@ -101,9 +108,9 @@ def accumulate_grad_shard(
             stored.copy_(update)
     else:
         if accumulate:
-            update = dst.reshape(-1).float() + update
+            update = dst.reshape(-1).to(compute) + update
         dst.copy_(update.view(dst.shape))
-        stored = dst.reshape(-1).float()
+        stored = dst.reshape(-1).to(compute)
     norm_sq = stored.square().sum()
     if dst.device.type == "cpu" and torch.isfinite(norm_sq):  # free on CPU; a host sync elsewhere
         nonfinite = torch.zeros((), dtype=torch.bool, device=dst.device)

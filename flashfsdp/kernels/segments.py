@@ -51,7 +51,9 @@ def gap_segments(
 # to build on the host; the search costs log2(rows) cached scalar loads per program.
 TABLE_COLUMNS = 5
 ADDRESS, CODE, FLAT_OFFSET, NUMEL, FIRST_BLOCK = range(TABLE_COLUMNS)
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# float64 never reaches a kernel (an op with a float64 tensor runs the reference, in float64); its
+# code only lets the shared validation describe it.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 8}
 ZERO_CODE = 3
 ALIGNED_FLAG = 4
 ALIGNMENT_BYTES = 16

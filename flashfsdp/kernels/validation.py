@@ -24,9 +24,10 @@ import torch
 
 from flashfsdp.kernels.segments import DTYPE_CODES, ZERO_CODE
 
-# The float dtypes every op reads and writes. Arithmetic happens in fp32, so float64 is left out on
-# purpose (it would silently lose precision); fp8 formats are a later addition.
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The float dtypes every op reads and writes. The kernels compute in fp32; an op with a float64
+# tensor runs the reference instead, which then computes in float64 (no precision lost on
+# ``model.double()``). fp8 formats are a later addition.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _ITEMSIZE_BY_CODE = {DTYPE_CODES[dtype]: dtype.itemsize for dtype in SUPPORTED_DTYPES}
 
 
@@ -36,7 +37,7 @@ def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
         kind = "floating" if tensor.dtype.is_floating_point else "non-floating"
         raise TypeError(
             f"{op}: {name} has {kind} dtype {tensor.dtype}; only floating dtypes "
-            f"float32, bfloat16 and float16 are supported"
+            f"float32, bfloat16, float16 and float64 are supported"
         )
 
 

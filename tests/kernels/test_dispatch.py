@@ -138,3 +138,21 @@ def test_kernels_compile_for_h100_with_vector_accesses():
             assert accesses.get("ld.global.v4.b32"), (kernel, accesses)
         elif kernel.startswith("accumulate"):
             assert accesses.get("ld.global.v4.b32") and accesses.get("st.global.v4.b32"), (kernel, accesses)
+
+
+def test_float64_runs_the_reference_in_float64_even_when_triton_is_forced():
+    """``model.double()`` units: the kernels compute in fp32, so a float64 tensor anywhere in the call
+    routes it to the reference, which keeps every float64 digit."""
+    x = torch.tensor([1.0 + 2.0 ** -40, -3.0], dtype=torch.float64)
+    with dispatch.use_backend("triton" if dispatch.triton_device_type() == "cpu" else "reference"):
+        out = torch.empty(4, dtype=torch.float64)
+        kernels.flatten([x], [1], out, scale=0.5)
+        assert out.tolist() == [0.0, 0.5 + 2.0 ** -41, -1.5, 0.0]
+        back = torch.empty(2, dtype=torch.float64)
+        kernels.unflatten(out, [1], [back])
+        assert torch.equal(back, x * 0.5)
+        dst = torch.full((2,), 2.0 ** -30, dtype=torch.float64)
+        norm_sq, nonfinite = kernels.accumulate_grad_shard(x, dst, scale=2.0)
+        assert dst.tolist() == [2.0 + 2.0 ** -39 + 2.0 ** -30, -6.0 + 2.0 ** -30]
+        assert norm_sq.dtype == torch.float64 and norm_sq.item() == (dst ** 2).sum().item()
+        assert not nonfinite
