@@ -6,7 +6,8 @@ A single process (W = 1) needs no process group: without ``torch.distributed`` i
 """
 
 from flashfsdp.bindings.clip_grad import clip_grad_norm_
-from flashfsdp.bindings.fully_shard import FSDPModule, UnshardHandle, fully_shard
+from flashfsdp.bindings.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from flashfsdp.bindings.fully_shard import fully_shard
 from flashfsdp.bindings.functional import all_gather_with_grad
 from flashfsdp.bindings.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from flashfsdp.bindings.sharded_tensor import ShardedPiece
@@ -14,11 +15,17 @@ from flashfsdp.bindings.full_state_dict import get_full_state_dict, set_full_sta
 from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from flashfsdp import checkpoint  # flashfsdp.checkpoint.save / load / latest
 from flashfsdp.runtime.trace import profile
+from flashfsdp.bindings.clip_grad import route_stock_clip_grad_norm
+
+# torch.nn.utils.clip_grad_norm_ on flashfsdp parameters gives the global norm (see its docstring).
+route_stock_clip_grad_norm()
 
 __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",

@@ -188,19 +188,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     extra_bytes = _serialise_extra(extra)
     parent, name = os.path.split(path)
     tmp, old = os.path.join(parent, f".{name}.tmp"), os.path.join(parent, f".{name}.old")
-    rank = global_rank()
-
-    error = None
-    if rank == 0:
-        try:
-            _refuse_to_replace(path)
-            os.makedirs(parent, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as exc:
-            error = exc
-    agree(error)
-
+    agree(_on_rank0(lambda: _prepare_tmp(path, parent, tmp)))
     state = _state(model, optimizer)
     try:
         with _single_process_quiet():
@@ -208,25 +196,43 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     except CheckpointException as exc:  # a BaseException: make it an ordinary, readable error
         raise RuntimeError(f"save: writing checkpoint {path} failed on rank(s) {_failures(exc)}; the "
                            f"checkpoints already in {parent} are intact") from exc
-
-    error = None
-    if rank == 0:
-        try:
-            _write_file(os.path.join(tmp, EXTRA), extra_bytes)
-            marker = {"format": FORMAT, "version": VERSION, "step": step, "world_size": global_world_size(),
-                      "has_optimizer": optimizer is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            _write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
-            _refuse_to_replace(path)  # again: something may have appeared there meanwhile
-            if os.path.exists(path):
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _fsync_dir(parent)
-            shutil.rmtree(old, ignore_errors=True)
-        except OSError as exc:
-            error = exc
-    agree(error)
+    marker = {"format": FORMAT, "version": VERSION, "step": step, "world_size": global_world_size(),
+              "has_optimizer": optimizer is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    agree(_on_rank0(lambda: _finish_tmp(path, parent, tmp, old, marker, extra_bytes)))
     return path
+
+
+def _on_rank0(action) -> OSError | None:
+    """Run ``action`` on rank 0 only; the OSError it raised (for :func:`agree`), else None."""
+    if global_rank() != 0:
+        return None
+    try:
+        action()
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _prepare_tmp(path: str, parent: str, tmp: str) -> None:
+    """Rank 0, before writing: refuse to replace a non-checkpoint, make a fresh ``tmp``."""
+    _refuse_to_replace(path)
+    os.makedirs(parent, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+
+
+def _finish_tmp(path: str, parent: str, tmp: str, old: str, marker: dict, extra_bytes: bytes) -> None:
+    """Rank 0, after every rank wrote: ``extra.pt`` and the marker into ``tmp``, then the two
+    renames of [Note: atomic save] (the old checkpoint aside, the new one in place)."""
+    _write_file(os.path.join(tmp, EXTRA), extra_bytes)
+    _write_file(os.path.join(tmp, MARKER), json.dumps(marker, indent=1).encode())
+    _refuse_to_replace(path)  # again: something may have appeared there meanwhile
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _failures(exc: CheckpointException) -> str:
@@ -375,30 +381,15 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             truncated; it has no optimizer state but ``optimizer`` was given; a parameter, buffer,
             optimizer state or hyperparameter is missing or has another shape (named).
         TypeError: a bad argument type.
-        RuntimeError: DCP failed to read a shard file on some rank (names the ranks and errors).
-
-        On every error but the RuntimeError the model and optimizer are unchanged (see
-        [Note: load is all-or-nothing up to the shard files]). After the RuntimeError they are
-        partly loaded: load a good checkpoint into them before training on.
+        RuntimeError: DCP failed to read a shard file on some rank (names the ranks and errors);
+            the model and optimizer are then partly loaded (load a good checkpoint before training
+            on). On every other error they are unchanged ([Note: load is all-or-nothing ...]).
     """
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
     path = _check_path(path, "load")
     _check_model_optimizer(model, optimizer, "load")
-    error = marker = metadata = extra = None
-    try:  # every small file, before anything is touched
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"load: checkpoint {path} does not exist")
-        if not os.path.isdir(path):
-            raise ValueError(f"load: {path} is a file, not a checkpoint directory")
-        marker = _read_marker(path)
-        if optimizer is not None and not marker.get("has_optimizer", False):
-            raise ValueError(f"load: checkpoint {path} has no optimizer state; pass optimizer=None")
-        metadata = _check_files(path)
-        extra = _read_extra(path)
-    except (FileNotFoundError, ValueError) as exc:
-        error = exc
-    agree(error)
+    marker, metadata, extra = _read_small_files(path, optimizer)
     fresh = optimizer is not None and not optimizer.state
     state = _state(model, optimizer)  # DSD gives a fresh optimizer its (zero) state here
     error = None
@@ -422,6 +413,26 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     return {"step": marker["step"], "extra": extra}
+
+
+def _read_small_files(path: str, optimizer) -> tuple[dict, object, dict]:
+    """(marker, DCP metadata, extra) of the checkpoint at ``path``, every small file read and
+    checked before anything is touched; an error on any rank is raised on every rank."""
+    error = marker = metadata = extra = None
+    try:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"load: checkpoint {path} does not exist")
+        if not os.path.isdir(path):
+            raise ValueError(f"load: {path} is a file, not a checkpoint directory")
+        marker = _read_marker(path)
+        if optimizer is not None and not marker.get("has_optimizer", False):
+            raise ValueError(f"load: checkpoint {path} has no optimizer state; pass optimizer=None")
+        metadata = _check_files(path)
+        extra = _read_extra(path)
+    except (FileNotFoundError, ValueError) as exc:
+        error = exc
+    agree(error)
+    return marker, metadata, extra
 
 
 def latest(out_dir: str | os.PathLike) -> str | None:

@@ -66,8 +66,12 @@ def local_rows(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Assemble every parameter's full value from the ranks' local pieces (all_gather_object).
 
-    Independent of the runtime's own gathering: it only reads each piece's recorded range.
+    Independent of the runtime's own gathering: it only reads each piece's recorded range. Reading
+    the pieces' own values ends an init window (a meta-device model initialised in place).
     """
+    from flashfsdp.bindings.init_window import close_init_windows  # noqa: PLC0415
+
+    close_init_windows()
     mine = {}
     for name, p in model.named_parameters():
         piece = getattr(p, "_flashfsdp_piece", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable
 
@@ -9,6 +10,8 @@ import torch
 import torch.nn as nn
 
 from flashfsdp.runtime.communicator import Communicator
+
+from .init_window import close_init_windows
 
 
 def clip_grad_norm_(
@@ -42,6 +45,7 @@ def clip_grad_norm_(
         ValueError: ``max_norm`` <= 0 or ``norm_type`` <= 0.
         RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is set.
     """
+    close_init_windows()
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
     norm_type = float(norm_type)
@@ -51,10 +55,20 @@ def clip_grad_norm_(
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    device = grads[0].device
-    is_inf = math.isinf(norm_type)
+    total_norm = total_grad_norm(params, norm_type, grads[0].device)
+    if error_if_nonfinite and not torch.isfinite(total_norm):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total_norm.item()}")
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].dtype) if len({g.dtype for g in grads}) == 1 else coef)
+    return total_norm
 
-    per_comm: dict[int, tuple[Communicator, list[torch.Tensor]]] = {}
+
+def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The ``norm_type``-norm of every gradient of ``params`` across ranks (0-dim fp32 on ``device``):
+    per communicator, the sum (max for inf) of its sharded pieces' terms, all-reduced once;
+    replicated parameters' terms added once. Collective over the units' communicators."""
+    is_inf = math.isinf(norm_type)
+    per_comm: dict[int, tuple[Communicator, torch.device, list[torch.Tensor]]] = {}
     replicated: list[torch.Tensor] = []
     seen_groups: set[int] = set()
     for p in params:
@@ -64,29 +78,25 @@ def clip_grad_norm_(
         if group is None:
             replicated.append(_norm_term(p.grad, norm_type))
             continue
-        comm = p._flashfsdp_unit.comm
-        terms = per_comm.setdefault(id(comm), (comm, []))[1]
+        unit = p._flashfsdp_unit
+        terms = per_comm.setdefault(id(unit.comm), (unit.comm, unit.device, []))[2]
         if _fused_norm_usable(group, norm_type, params):
             if id(group) not in seen_groups:
                 seen_groups.add(id(group))
                 terms.append(group.grad_stats[0].to(device))
         else:
             terms.append(_norm_term(p.grad, norm_type))
-
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for comm, terms in per_comm.values():
-        part = (torch.stack(terms).max() if is_inf else torch.stack(terms).sum()).reshape(1).clone()
+    for comm, comm_device, terms in per_comm.values():
+        part = (torch.stack(terms).max() if is_inf else torch.stack(terms).sum()).reshape(1)
+        part = part.to(comm_device, copy=True)  # (CPU-offloaded gradients: the collective's device)
         comm.all_reduce(part, op="max" if is_inf else "sum").wait()
+        part = part.to(device)
         total = torch.maximum(total, part[0]) if is_inf else total + part[0]
     if replicated:
         rep = torch.stack(replicated)
         total = torch.maximum(total, rep.max()) if is_inf else total + rep.sum()
-    total_norm = total if is_inf else total ** (1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total_norm):
-        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total_norm.item()}")
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].dtype) if len({g.dtype for g in grads}) == 1 else coef)
-    return total_norm
+    return total if is_inf else total ** (1.0 / norm_type)
 
 
 def _norm_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -112,3 +122,34 @@ def _fused_norm_usable(group, norm_type: float, params: list) -> bool:
         id(p) in ids and p.grad is not None and p.grad.data_ptr() == v.data_ptr()
         for p, v in zip(group.sharded_params, views)
     )
+
+
+_stock_clip_grad_norm = None
+
+
+def route_stock_clip_grad_norm() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` clip flashfsdp parameters by their global norm.
+
+    FSDP2 code calls the stock function on ``model.parameters()``: with DTensor gradients it sees the
+    global norm. flashfsdp's gradients are plain 1-D pieces, so the stock function would compute
+    each rank's *local* norm and clip each rank by a different factor — silently wrong. Importing
+    flashfsdp therefore wraps it (once): when any of the parameters is a flashfsdp piece the call
+    goes to :func:`clip_grad_norm_` (all-reduced, same result on every rank); otherwise to the
+    original, unchanged. ``torch.nn.utils.clip_grad.clip_grad_norm_`` is the same function.
+    """
+    global _stock_clip_grad_norm
+    import torch.nn.utils as nn_utils  # noqa: PLC0415
+    import torch.nn.utils.clip_grad as clip_module  # noqa: PLC0415
+
+    if _stock_clip_grad_norm is not None:
+        return
+    _stock_clip_grad_norm = stock = clip_module.clip_grad_norm_
+
+    @functools.wraps(stock)
+    def clip_grad_norm_routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(hasattr(p, "_flashfsdp_group") for p in params):
+            return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        return stock(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_routed

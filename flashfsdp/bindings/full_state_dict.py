@@ -14,19 +14,26 @@ import torch
 import torch.nn as nn
 
 from flashfsdp.kernels import flatten, unflatten
-from flashfsdp.runtime.flat_param import FlatParam
+from flashfsdp.runtime.flat_param import FlatParam, shards_written
 
 from .agreement import error_payload, from_rank0, global_rank, raise_agreed
+from .init_window import close_init_windows
 from .sharded_tensor import ShardedPiece
 from .state import FSDPState, TrainingState
 from .state_dict import unit_param_keys
 
 
 def _check_model(model: Any, where: str) -> list[tuple[str, FSDPState]]:
-    """(path, state) of every fully_shard'ed module of ``model``, outermost first."""
+    """(path, state) of every fully_shard'ed unit of ``model``, outermost first (each unit once,
+    at the path of its first module)."""
+    close_init_windows()
     if not isinstance(model, nn.Module):
         raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
-    states = [(path, m._flashfsdp_state) for path, m in model.named_modules() if hasattr(m, "_flashfsdp_state")]
+    states = []
+    for path, m in model.named_modules():
+        state = m.__dict__.get("_flashfsdp_state")
+        if state is not None and all(state is not s for _, s in states):
+            states.append((path, state))
     if not states:
         raise ValueError(
             f"{where}: model ({type(model).__name__}) has no fully_shard'ed module; call flashfsdp.fully_shard "
@@ -39,12 +46,16 @@ def _check_model(model: Any, where: str) -> list[tuple[str, FSDPState]]:
     return states
 
 
-def _owners(states: list[tuple[str, FSDPState]]) -> dict[str, tuple[FSDPState, int]]:
-    """State-dict key -> (state, unit parameter index) for every unit parameter of the model."""
+def _owners(model: nn.Module) -> dict[str, tuple[FSDPState, int]]:
+    """State-dict key -> (state, unit parameter index) for every unit parameter of the model (a
+    grouped unit's parameters under each of its modules' paths)."""
     owners = {}
-    for path, state in states:
+    for path, module in model.named_modules():
+        state = module.__dict__.get("_flashfsdp_state")
+        if state is None:
+            continue
         prefix = f"{path}." if path else ""
-        for rel, i in unit_param_keys(state):
+        for rel, i in unit_param_keys(state, module):
             owners[prefix + rel] = (state, i)
     return owners
 
@@ -86,6 +97,34 @@ def _flat_buffers(states: list[tuple[str, FSDPState]]) -> Callable[[FlatParam, t
 
 
 @torch.no_grad()
+def gather_group(unit, group: FlatParam, shard: torch.Tensor, positions: list[int], target: torch.device | None,
+                 full: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+    """The full values of parameters ``positions`` of ``group`` from every rank's ``shard``.
+
+    Collective over the unit's communicator: each rank passes its S-element shard laid out like
+    ``group.sharded_flat`` (the master weights, or per-element optimizer state placed at the pieces'
+    offsets); one all-gather into ``full`` (a T-element buffer of ``shard``'s dtype, allocated if
+    None). ``target``: where the results go (None: gather only, for ranks that keep nothing).
+
+    Returns:
+        position -> tensor of the parameter's full shape on ``target`` (own memory).
+    """
+    if full is None:
+        full = torch.empty(group.layout.total, dtype=shard.dtype, device=unit.device)
+    unit.comm.all_gather_into_tensor(full, shard.to(full.device)).wait()  # (a CPU-offloaded shard moves)
+    if target is None:
+        return {}
+    outs = [torch.empty(group.shapes[pos], dtype=shard.dtype, device=target) for pos in positions]
+    offsets = [group.layout.offsets[pos] for pos in positions]
+    if target == full.device:
+        unflatten(full, offsets, outs)
+    else:
+        for out, pos, off in zip(outs, positions, offsets):
+            out.copy_(full[off : off + group.layout.numels[pos]].view(group.shapes[pos]))
+    return dict(zip(positions, outs))
+
+
+@torch.no_grad()
 def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: bool = True) -> dict[str, Any]:
     """The unsharded state dict of a fully_shard'ed model: what the unwrapped model's ``state_dict()`` gives.
 
@@ -114,7 +153,7 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
             raise TypeError(f"get_full_state_dict: {name} must be a bool, got {flag!r}")
     keep = not rank0_only or global_rank() == 0
     template = model.state_dict()
-    owners = _owners(states)
+    owners = _owners(model)
     gathered: dict[str, torch.Tensor] = {}
     flat_buffer = _flat_buffers(states)
     for _, state in states:
@@ -124,21 +163,12 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
             positions = wanted.get(id(group))
             if not positions:
                 continue
-            full = flat_buffer(group, unit.device)
-            unit.comm.all_gather_into_tensor(full, group.sharded_flat).wait()
-            if keep:
-                target = torch.device("cpu") if cpu_offload else unit.device
-                order = sorted(positions)
-                outs = [torch.empty(group.shapes[pos], dtype=group.dtype, device=target) for pos in order]
-                offsets = [group.layout.offsets[pos] for pos in order]
-                if target == full.device:
-                    unflatten(full, offsets, outs)
-                else:
-                    for out, pos, off in zip(outs, order, offsets):
-                        out.copy_(full[off : off + group.layout.numels[pos]].view(group.shapes[pos]))
-                for pos, out in zip(order, outs):
-                    for key in positions[pos]:
-                        gathered[key] = out
+            target = torch.device("cpu") if cpu_offload else unit.device
+            outs = gather_group(unit, group, group.sharded_flat, sorted(positions), target if keep else None,
+                                flat_buffer(group, unit.device))
+            for pos, out in outs.items():
+                for key in positions[pos]:
+                    gathered[key] = out
     del flat_buffer
     if not keep:
         return {}
@@ -195,6 +225,49 @@ def _validate_full_state_dict(state_dict: Any, template: Mapping[str, Any], stri
 
 
 @torch.no_grad()
+def _agreed_keys(state_dict, template: Mapping[str, Any], strict: bool) -> list[str]:
+    """The keys rank 0's ``state_dict`` provides, checked on rank 0 and agreed by every rank (an
+    error on rank 0 is raised on every rank, so none is left waiting in a broadcast)."""
+    verdict: Any = None
+    if global_rank() == 0:
+        try:
+            verdict = ("ok", _validate_full_state_dict(state_dict, template, strict))
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            verdict = ("error", error_payload(exc))
+    verdict = from_rank0(verdict)
+    if verdict[0] == "error":
+        raise_agreed([verdict[1]])
+    return verdict[1]
+
+
+@torch.no_grad()
+def _broadcast_into_units(states, owners: dict, present: list[str], state_dict) -> None:
+    """Unit by unit: rank 0 packs a group's parameters into one T-element buffer, the unit's
+    communicator broadcasts it, every rank copies its elements into its shard."""
+    is_root = global_rank() == 0
+    flat_buffer = _flat_buffers(states)
+    for _, state in states:
+        unit = state.unit
+        if (unit.comm.rank == 0) != is_root:
+            raise NotImplementedError(f"set_full_state_dict: unit '{unit.name}' broadcasts from its group's rank 0, "
+                                      f"which is not rank 0 of the default group")
+        wanted = _wanted_by_group(state, owners, present)
+        for group in unit.groups:
+            positions = wanted.get(id(group))
+            if not positions:
+                continue
+            flat = flat_buffer(group, unit.device)
+            if is_root:
+                sources = [None] * len(group.shapes)
+                for pos, keys in positions.items():
+                    sources[pos] = state_dict[keys[0]].detach().reshape(-1).to(unit.device)
+                flatten(sources, list(group.layout.offsets), flat, numels=list(group.layout.numels))
+            unit.comm.broadcast(flat, 0).wait()
+            for pos in positions:
+                pc = group.pieces[pos]
+                group.sharded_flat[pc.shard_start : pc.shard_end].copy_(flat[pc.flat_start : pc.flat_end])
+
+
 def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None, *,
                         strict: bool = True) -> None:
     """Load a plain (unsharded) state dict into a fully_shard'ed model, from rank 0.
@@ -223,47 +296,15 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     if not isinstance(strict, bool):
         raise TypeError(f"set_full_state_dict: strict must be a bool, got {strict!r}")
     template = model.state_dict()
-    owners = _owners(states)
-    verdict: Any
-    if global_rank() == 0:
-        try:
-            verdict = ("ok", _validate_full_state_dict(state_dict, template, strict))
-        except (TypeError, ValueError, NotImplementedError) as exc:
-            verdict = ("error", error_payload(exc))
-    else:
-        verdict = None
-    verdict = from_rank0(verdict)
-    if verdict[0] == "error":
-        raise_agreed([verdict[1]])
-    present = verdict[1]
-    is_root = global_rank() == 0
-    flat_buffer = _flat_buffers(states)
-    for _, state in states:
-        unit = state.unit
-        if (unit.comm.rank == 0) != is_root:
-            raise NotImplementedError(f"set_full_state_dict: unit '{unit.name}' broadcasts from its group's rank 0, "
-                                      f"which is not rank 0 of the default group")
-        wanted = _wanted_by_group(state, owners, present)
-        for group in unit.groups:
-            positions = wanted.get(id(group))
-            if not positions:
-                continue
-            flat = flat_buffer(group, unit.device)
-            if is_root:
-                sources = [None] * len(group.shapes)
-                for pos, keys in positions.items():
-                    sources[pos] = state_dict[keys[0]].detach().reshape(-1).to(unit.device)
-                flatten(sources, list(group.layout.offsets), flat, numels=list(group.layout.numels))
-            unit.comm.broadcast(flat, 0).wait()
-            for pos in positions:
-                pc = group.pieces[pos]
-                group.sharded_flat[pc.shard_start : pc.shard_end].copy_(flat[pc.flat_start : pc.flat_end])
-    del flat_buffer
+    owners = _owners(model)
+    present = _agreed_keys(state_dict, template, strict)
+    shards_written()  # unsharded copies kept meanwhile are stale after this
+    _broadcast_into_units(states, owners, present, state_dict)
     comm = states[0][1].unit.comm
     for key in present:
         if key in owners:
             continue
         target = template[key]
-        buf = state_dict[key].detach().to(target.device, target.dtype) if is_root else torch.empty_like(target)
+        buf = state_dict[key].detach().to(target.device, target.dtype) if global_rank() == 0 else torch.empty_like(target)
         comm.broadcast(buf, 0).wait()
         target.copy_(buf)

@@ -11,10 +11,14 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from flashfsdp.runtime.flat_param import shards_written
+
+from .init_window import close_init_windows
 from .sharded_tensor import ShardedPiece
-from .state_dict import local_piece_of, refuse_dsd_full_state_dict
+from .dsd_full import dsd_full_request, full_optimizer_state
+from .state_dict import local_piece_of
 
 # [Note: optimizer state-dict hooks]
 # Optimizer.state_dict() keys the state by parameter position (an int, in param_groups order);
@@ -31,10 +35,12 @@ def register_optimizer_step_hook() -> None:
     """Register (once per process) the global step-pre-hook that installs the optimizer hooks."""
     global _step_hook
     if _step_hook is None:
-        _step_hook = register_optimizer_step_pre_hook(_install_on_step)
+        _step_hook = (register_optimizer_step_pre_hook(_install_on_step),
+                      register_optimizer_step_post_hook(_after_step))
 
 
 def _install_on_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    close_init_windows()
     # Every optimizer's step passes here: scan an optimizer's parameters again only when their
     # number changed (add_param_group).
     if getattr(optimizer, _HOOKED, False):
@@ -43,6 +49,11 @@ def _install_on_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if _scanned.get(optimizer) != count:
         _scanned[optimizer] = count
         install_optimizer_hooks(optimizer)
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if getattr(optimizer, _HOOKED, False):
+        shards_written()  # unsharded copies kept across the step are stale now
 
 
 def install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -97,8 +108,10 @@ def _is_piece_state(value: Any, param: nn.Parameter) -> bool:
 
 def _optimizer_state_dict_post_hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """Per-element state of flashfsdp parameters as ShardedPieces (new dicts; the state is shared)."""
-    refuse_dsd_full_state_dict(f"{type(optimizer).__name__} over fully_shard'ed parameters")
     params = _params_by_id(optimizer, state_dict["param_groups"]) or {}
+    info = dsd_full_request()
+    if info is not None:  # DSD's full-state-dict getter: full tensors (see dsd_full.py)
+        return {**state_dict, "state": full_optimizer_state(state_dict["state"], params, _is_piece_state, info)}
     state = {}
     for param_id, entries in state_dict["state"].items():
         param = params.get(param_id)

@@ -203,6 +203,15 @@ class ShardedPiece(torch.Tensor):
             return ShardedPiece(func(self._local, *args[1:], **kwargs), self.shape, self._start, self._fqn)
         # The piece may be any argument (plain.copy_(piece), torch.add(x, piece), out=piece, ...).
         piece = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ShardedPiece))
+        if _elementwise_on_pieces(func, piece, args, kwargs):
+            # Like DTensor on its local shard: element-wise ops between pieces of the same range
+            # (and scalars) run on the local elements.
+            local = pytree.tree_map_only(ShardedPiece, lambda p: p._local, (args, kwargs))
+            out = func(*local[0], **local[1])
+            if torch.Tag.inplace in func.tags:
+                return args[0]
+            if isinstance(out, torch.Tensor) and out.shape == piece._local.shape:
+                return ShardedPiece(out, piece.shape, piece._start, piece._fqn)
         raise NotImplementedError(
             f"ShardedPiece '{piece._fqn}' holds only elements [{piece._start}, "
             f"{piece._start + piece._local.numel()}) of a tensor of shape {tuple(piece.shape)}, so {func} cannot "
@@ -217,6 +226,25 @@ class ShardedPiece(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
         return (f"ShardedPiece({self._fqn!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"elements=[{self._start}, {self._start + self._local.numel()}))")
+
+
+_LOCAL_OPS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default,
+              torch.ops.aten.copy_.default}
+
+
+def _elementwise_on_pieces(func, piece: ShardedPiece, args, kwargs) -> bool:
+    """Whether ``func`` is element-wise (fill/zero/copy or a pointwise op with a tensor result) and
+    every tensor argument is a piece of the same range or a scalar tensor."""
+    pointwise = torch.Tag.pointwise in func.tags and torch.Tag.data_dependent_output not in func.tags
+    if func not in _LOCAL_OPS and not pointwise:
+        return False
+    for a in pytree.tree_leaves((args, kwargs)):
+        if isinstance(a, ShardedPiece):
+            if not a.describes_same_range(piece.shape, piece._start, piece._local.numel()):
+                return False
+        elif isinstance(a, torch.Tensor) and a.dim() > 0:
+            return False
+    return True
 
 
 def _own_storage(view: torch.Tensor) -> torch.Tensor:

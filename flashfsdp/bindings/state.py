@@ -1,9 +1,11 @@
-"""FSDPState: one fully_shard'ed module's hooks, training state and parameter swapping.
+"""FSDPState: one fully_shard'ed unit's hooks, training state and parameter swapping.
 
 Each ``fully_shard(module)`` call attaches one FSDPState (``module._flashfsdp_state``) holding the
-runtime's ShardedUnit. The first state whose forward runs becomes the root: it lazily gathers every
-state in its subtree into one :class:`RootContext` (execution order, prefetch policy, reductions in
-flight) and queues the final callback of every backward.
+runtime's ShardedUnit; ``fully_shard([m1, m2])`` attaches one state to both modules (one unit).
+The first state whose forward runs lazily makes the outermost fully_shard'ed module above it the
+root: the root gathers every state in its subtree into one :class:`RootContext` (execution order,
+prefetch policy, reductions in flight). Whichever unit's backward starts first queues the final
+callback of that backward (a backward through a non-root unit alone is finished too).
 
 Module parameters: outside forward/backward each registration ``(submodule, name)`` holds the
 sharded local piece; from unshard to reshard it holds the full-shape view into the unsharded
@@ -13,93 +15,107 @@ buffer (swapped in ``_parameters`` directly, as FSDP2's ``unsafe_setattr_param``
 ``torch.utils.checkpoint`` runs a unit's forward a second time inside backward. Its pre-forward
 then only unshards and casts the inputs exactly as the first forward did (``cast_forward_inputs``;
 the post-forward casts to ``output_dtype`` again), so the recomputed tensors have the forward's
-dtypes. It also hooks the post-backward on the recomputed inputs: with reentrant checkpointing the
-forward ran without grad, so only this hook reduces and reshards the unit right after its backward;
-with non-reentrant checkpointing the recomputed graph is never backpropagated and the hook never
-fires (the first forward's hook does).
+dtypes. With reentrant checkpointing the recomputed graph is backpropagated in a nested backward,
+where the unit's gradients becoming ready reduce and reshard it; with non-reentrant checkpointing
+the recomputed graph is never backpropagated (the first forward's hooks finish the unit).
+
+[Note: grouped units]
+For ``fully_shard([m1, m2])`` the pre-forward of whichever module runs first unshards the unit,
+and the post-forward reshards it once every module of the group ran its forward (as FSDP2's
+``_register_group_forward_hooks``); a module of the group that did not run in a forward is given
+up on at the end of the root's forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from flashfsdp.runtime import trace
-from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
 from flashfsdp.runtime.states import ShardState, TrainingState
-from flashfsdp.runtime.unit import PendingReduce, ShardedUnit
+from flashfsdp.runtime.unit import ShardedUnit
 
-from .autograd import apply_to_tensors, in_backward, queue_final_callback
+from .autograd import PostBackwardGate, current_backward, grad_tensors, in_backward, outside_functorch, queue_final_callback
+from .adopt import adopt_module_params, adopt_replaced_params, check_materialised
+from .autograd import register_pre_backward_hooks
+from .init_window import close_init_windows
+from .root import RootContext, init_root
 from .mixed_precision import MixedPrecisionPolicy
-
-
-@dataclass
-class RootContext:
-    """What every unit under one root shares during a step."""
-
-    root: "FSDPState"
-    states: list["FSDPState"]
-    order: ExecutionOrder = field(default_factory=ExecutionOrder)
-    policy: PrefetchPolicy = field(default_factory=PrefetchPolicy)
-    pending: list[PendingReduce] = field(default_factory=list)
-    prefetched: set = field(default_factory=set)
-    callback_queued: bool = False
-    forward_without_backward: bool = False  # a grad-enabled forward whose backward has not run
-
-    def finish_pending(self) -> None:
-        """Wait for every reduce-scatter in flight and accumulate its result."""
-        pending, self.pending = self.pending, []
-        for p in pending:
-            p.finish()
+from .tree import map_tensors, tensors_in
 
 
 class FSDPState:
-    """The state of one fully_shard'ed module.
+    """The state of one fully_shard'ed unit.
 
     Args:
-        module: the module (its class is already the FSDPModule subclass).
-        unit: the runtime unit holding its parameters.
+        modules: the module(s) of the ``fully_shard`` call (their classes are already FSDPModule
+            subclasses); more than one for a grouped unit.
+        unit: the runtime unit holding their parameters.
         registrations: per unit parameter, every ``(submodule, attribute name)`` that refers to it
             (more than one for shared parameters such as tied embeddings).
         mp_policy: the mixed-precision policy.
-        reshard_after_forward: free the unsharded parameters after forward (re-gather in backward).
-        class_name: the module's class before fully_shard made it ``FSDP<ClassName>`` (for errors).
+        reshard_after_forward: the resolved ``reshard_after_forward`` (``_init.ReshardAfterForward``).
+        class_name: the first module's class before fully_shard made it ``FSDP<ClassName>``.
+        param_owners: per unit parameter, which of ``modules`` it was found under (default: the first).
+        comm_spec: ``(process group, communicator argument)`` the unit's communicator was built from
+            (to build it again for another device when a meta-device unit is materialised).
+        compute_device: where the unit computes once materialised (a meta-device or CPU-offloaded
+            unit's parameters are elsewhere).
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         unit: ShardedUnit,
         registrations: list[list[tuple[nn.Module, str]]],
         mp_policy: MixedPrecisionPolicy,
-        reshard_after_forward: bool,
+        reshard_after_forward,
         class_name: str | None = None,
+        param_owners: list[nn.Module] | None = None,
+        comm_spec: tuple | None = None,
+        compute_device: torch.device | None = None,
     ):
-        self.module = module
-        self.class_name = class_name or type(module).__name__
+        self.modules = list(modules)
+        self.module = self.modules[0]
+        self.class_name = class_name or type(self.module).__name__
         self.unit = unit
         self.registrations = registrations
+        self.param_owners = param_owners or [self.module] * len(registrations)
+        self.comm_spec = comm_spec
+        self.compute_device = compute_device or unit.device  # where a meta / offloaded unit computes
         self.mp_policy = mp_policy
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward.reshard
+        self.reshard_explicit = reshard_after_forward.explicit
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.unshard_in_backward = True
+        self.requires_all_reduce = True  # HSDP only: accepted, nothing to skip on a 1-D mesh
+        self.force_sum_reduction = False  # flashfsdp always reduces with SUM
+        self.is_last_backward = True  # read by the root (set_is_last_backward)
         self.training_state = TrainingState.IDLE
+        self.parent: FSDPState | None = None  # the state of the enclosing fully_shard call
         self.ctx: RootContext | None = None
         self.max_inflight = 2  # prefetched units ahead of compute, when this state is the root
         self.max_inflight_set = False  # set_max_inflight_all_gathers was called (only the root may)
         self.explicit_forward_prefetch: list[FSDPState] | None = None
         self.explicit_backward_prefetch: list[FSDPState] | None = None
+        self.all_reduce_hook = None  # set_all_reduce_hook (W = 1 per replica group: called on the shards)
+        self.gate = PostBackwardGate(self._on_grads_ready, self._on_backward_done)
+        # Leaf outputs (a parameter or input returned as is) already hooked: id -> weak reference
+        # (hooks on non-leaf outputs live and die with their graph; see register_pre_backward_hooks)
+        self._hooked_leaves: dict = {}
+        self._pending_forward: set[int] = set()  # modules of a grouped unit still to run forward
+        self._tracked_requires_grad: tuple | None = None
         # The registrations still hold the original full parameters: install the pieces.
         self.holds_unsharded = True
         self._swap(False)
         self._compute_start = None  # trace timestamp of the forward/backward compute in progress
-        self.hook_handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, prepend=False),
-        ]
+        self.hook_handles = []
+        for module in self.modules:
+            self.hook_handles += [
+                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+                module.register_forward_hook(self._post_forward, prepend=False),
+            ]
 
     def __repr__(self) -> str:
         return f"FSDPState({self.unit.name!r})"
@@ -121,11 +137,13 @@ class FSDPState:
 
     def unshard(self) -> None:
         """Issue this unit's all-gather (asynchronous) if it is sharded."""
-        self.unit.unshard()
+        with outside_functorch():
+            self.unit.unshard()
 
     def wait_unshard(self) -> None:
         """Wait for this unit's all-gather and give the module its unsharded parameters."""
-        self.unit.wait_unshard()
+        with outside_functorch():
+            self.unit.wait_unshard()
         self._swap(True)
         if self.ctx is not None:
             self.ctx.prefetched.discard(self)
@@ -134,35 +152,91 @@ class FSDPState:
         """Give the module its sharded pieces back and free the unsharded storage (keeping the
         post-forward slice with ``to_secondary`` when the unit reshards to a smaller group)."""
         self._swap(False)
-        self.unit.reshard(to_secondary)
+        with outside_functorch():
+            self.unit.reshard(to_secondary)
         if self.ctx is not None:
             self.ctx.prefetched.discard(self)
 
-    # ------------------------------------------------------------------ lazy init
-    def _lazy_init(self) -> None:
-        """Become the root of every state in this module's subtree (first forward only).
+    def prefix_fqns(self, module: nn.Module, prefix: str) -> None:
+        """Prepend ``prefix`` to the names of the parameters found under ``module``."""
+        for i, owner in enumerate(self.param_owners):
+            if owner is module:
+                group, pos = self.unit.param_slots[i]
+                group.prefix_fqn(pos, prefix)
+
+    # ------------------------------------------------------------------ settings (FSDPModule's setters)
+    def set_reshard_after_forward(self, value: bool) -> None:
+        """An explicit value, followed exactly (the root's too), as FSDP2's setter."""
+        self.reshard_after_forward = value
+        self.reshard_explicit = True
+
+    def set_is_last_backward(self, value: bool) -> None:
+        self.is_last_backward = value
+        if self.ctx is not None:
+            self.ctx.is_last_backward = value
+
+    def set_max_inflight(self, max_inflight: int) -> None:
+        """Raises ValueError if this state is known not to be the root."""
+        if self.ctx is not None and not self.is_root:
+            raise ValueError(
+                f"set_max_inflight_all_gathers: '{self.unit.name}' is not the root (its root is "
+                f"{self.ctx.root.class_name}); only the root's limit is used: call it on the root module"
+            )
+        self.max_inflight = max_inflight
+        self.max_inflight_set = True
+        if self.ctx is not None:
+            self.ctx.policy.max_inflight = max_inflight
+
+    def set_separate_reduce_scatter_group(self, enable: bool) -> None:
+        """Give the unit's reduce-scatters a communicator over a process group of their own."""
+        from flashfsdp.runtime.comm_factory import separate_communicator  # noqa: PLC0415
+
+        self.unit.rs_comm = separate_communicator(self.unit.comm, self.unit.device) if enable else None
+
+    def reset_iter_state(self) -> None:
+        """Drop a step that an exception aborted (see ``FSDPModule.reset_iter_state``).
 
         Raises:
-            ValueError: ``set_max_inflight_all_gathers`` was called on a module of the subtree
-                other than this root (only the root's limit is used).
+            RuntimeError: this state is not the root.
         """
+        if self.ctx is None:
+            return
+        if not self.is_root:
+            raise RuntimeError(f"reset_iter_state: call it on the root module ({self.ctx.root.class_name})")
+        self.ctx.reset_iter_state()
+
+    def adopt_module_params(self) -> None:
+        """After ``module.to(...)`` / ``to_empty`` / ``load_state_dict(assign=True)``: see ``adopt.py``."""
+        adopt_module_params(self)
+
+    def _end_backward_bookkeeping(self) -> None:
+        """Go idle and drop the gate's input hooks and counts. The pre-backward hooks on forward
+        outputs stay: a graph whose backward is still to come (a forward before another unit's
+        backward) must still unshard its units."""
+        self.training_state = TrainingState.IDLE
+        self.gate.reset()
+
+    def _has_frozen_params(self) -> bool:
+        return any(not p.requires_grad for g in self.unit.groups for p in g.sharded_params)
+
+    def _sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_`` calls made on the sharded parameters since the last forward."""
+        for group in self.unit.groups:
+            group.sync_requires_grad()
+        flags = tuple(p.requires_grad for g in self.unit.groups for p in g.unsharded_params)
+        if flags != self._tracked_requires_grad:
+            if self.gate.track_params([p for g in self.unit.groups for p in g.unsharded_params]):
+                self._tracked_requires_grad = flags
+
+    # ------------------------------------------------------------------ lazy init
+    def _lazy_init(self) -> None:
+        """Make the outermost fully_shard'ed module above this one the root (first forward only)."""
         if self.ctx is not None:
             return
-        states = [m._flashfsdp_state for m in self.module.modules() if hasattr(m, "_flashfsdp_state")]
-        names = {id(m): n for n, m in self.module.named_modules()}
-        for state in states:
-            if state is not self and state.max_inflight_set:
-                raise ValueError(
-                    f"set_max_inflight_all_gathers was called on '{names[id(state.module)]}' "
-                    f"({state.class_name}), which is not the root: only the root's limit is used; "
-                    f"call it on the root module ({self.class_name}) instead"
-                )
-        ctx = RootContext(root=self, states=states, policy=PrefetchPolicy(max_inflight=self.max_inflight))
-        for state in states:
-            state.ctx = ctx
-            state.unit.name = names[id(state.module)] or "<root>"
-        # Backward starts with the root's parameters: keep them after forward (FSDP2 does too).
-        self.reshard_after_forward = False
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        init_root(root)
 
     def _prefetch(self, targets: list["FSDPState"]) -> None:
         ctx = self.ctx
@@ -179,30 +253,38 @@ class FSDPState:
             # needed and the inputs get the forward's cast, so the recomputation matches the forward;
             # the scheduling hooks are not. See [Note: recomputation].
             self.wait_unshard()
-            args, kwargs = self._cast_inputs(args, kwargs)
-            return self._register_post_backward(args, kwargs)
+            return self._cast_inputs(args, kwargs)
+        close_init_windows()
         self._lazy_init()
+        if self._pending_forward:  # another module of this grouped unit is mid-forward
+            self.wait_unshard()
+            args, kwargs = self._cast_inputs(args, kwargs)
+            if self._has_frozen_params():
+                self.gate.arm(grad_tensors((args, kwargs)))
+            return args, kwargs
         ctx = self.ctx
         if self.is_root:
-            ctx.finish_pending()
-            ctx.order.start_step()
-            if ctx.forward_without_backward:
-                # The last forward recorded a graph but no backward ran: its unsharded parameters
-                # (and post-forward slices) may be stale by now (an optimizer step, a loaded state
-                # dict): gather from the master shards again.
-                for state in ctx.states:
-                    if state.unit.state is not ShardState.SHARDED:
-                        state.reshard()
-            ctx.forward_without_backward = torch.is_grad_enabled()
-            if trace.active() is not None:
-                trace.active().next_step()
+            args, kwargs = ctx.start_step(args, kwargs)
+        adopt_replaced_params(self)
+        check_materialised(self)
         self._check_input_devices(args, kwargs)
+        # A grouped unit stays unsharded until all its modules ran, within one root forward (whose
+        # end gives up on the ones that did not); a module of it called on its own is a forward of
+        # its own.
+        in_root_forward = not self.is_root and ctx.root.training_state is TrainingState.FORWARD
+        self._pending_forward = {id(m) for m in self.modules} if len(self.modules) > 1 and in_root_forward else set()
         self.training_state = TrainingState.FORWARD
+        self._sync_requires_grad()
         ctx.order.record(self)
         self.wait_unshard()
         self._prefetch(ctx.policy.forward_targets(self, ctx.order, self.explicit_forward_prefetch))
         args, kwargs = self._cast_inputs(args, kwargs)
-        args, kwargs = self._register_post_backward(args, kwargs)
+        if self._has_frozen_params():
+            # A frozen parameter's gradient never marks the end of its uses: wait for the inputs'
+            # gradients too (units whose parameters are all frozen reshard on those alone). A unit
+            # whose parameters all train reshards when they all have their gradients, before the
+            # previous unit's backward starts (and prefetches), as FSDP2 does. See autograd.py.
+            self.gate.arm(grad_tensors((args, kwargs)))
         self._mark_compute_start()
         return args, kwargs
 
@@ -210,17 +292,6 @@ class FSDPState:
         """Floating-point inputs cast to ``param_dtype`` if the policy asks for it."""
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        return args, kwargs
-
-    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Hook the post-backward on the inputs that require grad, if the unit has parameters.
-
-        Also for units whose parameters are all frozen: they reduce nothing, but the hook is what
-        reshards them as soon as their backward is done (else they would stay unsharded until the
-        final callback, every frozen unit at once).
-        """
-        if self.unit.groups:
-            args, kwargs = apply_to_tensors(self._post_backward, (args, kwargs))
         return args, kwargs
 
     def _mark_compute_start(self) -> None:
@@ -237,6 +308,22 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output):
         if in_backward():
             return self._cast_output(output)
+        if self._pending_forward:
+            self._pending_forward.discard(id(module))
+            if self._pending_forward:  # other modules of the group still to run
+                register_pre_backward_hooks(self._pre_backward, output, self._hooked_leaves)
+                return self._cast_output(output)
+        if self.is_root:
+            for state in self.ctx.states:
+                if state._pending_forward:  # a grouped unit with a module that did not run
+                    state._pending_forward = set()
+                    state._end_forward()
+        self._end_forward()  # after those: the root's forward ends last (the backward order)
+        register_pre_backward_hooks(self._pre_backward, output, self._hooked_leaves)
+        return self._cast_output(output)
+
+    def _end_forward(self) -> None:
+        """The unit's forward is over: reshard it (or keep it for backward) and go idle."""
         self._mark_compute_end("forward")
         if self.ctx is not None:
             self.ctx.order.record_post_forward(self)
@@ -248,12 +335,11 @@ class FSDPState:
                 for state in list(self.ctx.prefetched):
                     state.reshard()
         elif self.reshard_after_forward and not (
-            self.ctx is not None and self.ctx.policy.keep_for_backward(self, self.ctx.order)
+            not self.reshard_explicit and self.ctx is not None
+            and self.ctx.policy.keep_for_backward(self, self.ctx.order)
         ):
             self.reshard(to_secondary=True)
         self.training_state = TrainingState.IDLE
-        output = apply_to_tensors(self._pre_backward, output)
-        return self._cast_output(output)
 
     def _cast_output(self, output):
         """Floating-point outputs cast to ``output_dtype`` if the policy sets one."""
@@ -263,7 +349,7 @@ class FSDPState:
 
     def _check_input_devices(self, args: tuple, kwargs: dict) -> None:
         device = self.unit.device
-        for t in _tensors((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             if t.device != device and not (t.device.type == "cpu" and t.dim() == 0):
                 raise ValueError(
                     f"fully_shard module '{self.unit.name}' got a forward input on {t.device} but its "
@@ -271,66 +357,68 @@ class FSDPState:
                 )
 
     # ------------------------------------------------------------------ backward hooks
+    def _queue_final_callback(self) -> None:
+        """Queue the end-of-backward callback once per backward, whichever unit's backward starts it."""
+        ctx = self.ctx
+        task = current_backward()
+        if ctx.callback_task != task:
+            ctx.callback_task = task
+            queue_final_callback(ctx.end_backward)
+
     @trace.labelled("pre_backward")
     def _pre_backward(self) -> None:
-        ctx = self.ctx
-        if self.is_root and not ctx.callback_queued:
-            ctx.callback_queued = True
-            queue_final_callback(self._final_callback)
+        self._queue_final_callback()
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
+        ctx = self.ctx
         ctx.order.record_pre_backward(self)
-        self.wait_unshard()
+        if self.unshard_in_backward:
+            self.wait_unshard()
         self._prefetch(ctx.policy.backward_targets(self, ctx.order, self.explicit_backward_prefetch))
         self._mark_compute_start()
 
     @trace.labelled("post_backward")
-    def _post_backward(self) -> None:
+    def _on_grads_ready(self) -> None:
+        """The gate: every trainable parameter reached by this backward has its gradient."""
+        self._queue_final_callback()
+        self._reduce_grads()
+
+    def _on_backward_done(self) -> None:
+        """The gate: the unit's backward is over."""
+        self._queue_final_callback()
+        self._finish_backward()
+
+    def _reduce_grads(self) -> None:
+        """Reduce-scatter the unsharded gradients (or, without gradient sync, keep accumulating)."""
+        if self.requires_gradient_sync:
+            pending = self.unit.reduce_grads()
+            # Earlier reductions had this unit's backward to run behind: finish them now.
+            self.ctx.finish_pending()
+            self.ctx.pending.extend(pending)
+        else:
+            self.unit.accumulate_unsharded_grads()
+
+    def needs_post_backward(self) -> bool:
+        """At the end of a backward: whether this unit's backward started (or left gradients)
+        without its post-backward having run (its gate did not fire)."""
+        return self.training_state is TrainingState.PRE_BACKWARD or self.unit.has_unsharded_grads()
+
+    def should_reshard_at_end(self) -> bool:
+        """At the end of a backward: whether this unit still holds parameters it should free
+        (a post-forward slice, or unsharded parameters while resharding after backward)."""
+        return self.unit.state is ShardState.SECONDARY or (
+            self.holds_unsharded and self.reshard_after_backward and self.unit.state is not ShardState.SHARDED)
+
+    def _finish_backward(self) -> None:
+        """Reshard after backward (unless asked to keep the parameters) and mark the unit done."""
         if self.training_state is TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
         self._mark_compute_end("backward")
-        ctx = self.ctx
-        if self.requires_gradient_sync:
-            pending = self.unit.reduce_grads()
-            # Earlier reductions had this unit's backward to run behind: finish them now.
-            ctx.finish_pending()
-            ctx.pending.extend(pending)
         if self.reshard_after_backward:
             self.reshard()
 
-    def _final_callback(self) -> None:
-        ctx = self.ctx
-        for state in ctx.states:
-            if state.training_state is TrainingState.PRE_BACKWARD or (
-                state.training_state is TrainingState.IDLE and state.unit.has_unsharded_grads()
-                and state.requires_gradient_sync
-            ):
-                state._post_backward()
-            elif state.unit.state is ShardState.SECONDARY or (
-                state.holds_unsharded and state.reshard_after_backward and state.unit.state is not ShardState.SHARDED
-            ):
-                state.reshard()
-            state.training_state = TrainingState.IDLE
-        for state in list(ctx.prefetched):
-            state.reshard()
-        ctx.finish_pending()
-        streams = self.unit.streams
-        streams.wait_for_reduce_scatter(self.unit.name)
-        streams.release_held()
-        ctx.callback_queued = False
-        ctx.forward_without_backward = False
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves  # noqa: PLC0415
-
-    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
-
 
 def _cast_floating(tree, dtype: torch.dtype):
-    return tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x,
-        tree,
-    )
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)

@@ -20,14 +20,11 @@ full state dict *into* a flashfsdp model       also ``set_model_state_dict`` /
                                                ``model.load_state_dict(full_sd)`` on every rank
 ============================================  =====================================================
 
-Not supported: ``StateDictOptions(full_state_dict=True)`` in the *getters* of
+``StateDictOptions(full_state_dict=True)`` in the *getters* of
 ``torch.distributed.checkpoint.state_dict`` (``get_state_dict``, ``get_model_state_dict``,
-``get_optimizer_state_dict``). DSD gathers only DTensor and ShardedTensor values; a flashfsdp piece
-is neither (its range of the flattened parameter is not a DTensor placement), so DSD would hand
-back this rank's pieces as if they were full tensors. flashfsdp sees the call (the state-dict hooks
-below look for DSD's full-state-dict getter on the call stack) and raises ``NotImplementedError``
-pointing here instead. A full optimizer state dict: save it sharded and convert the checkpoint
-offline with ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``.
+``get_optimizer_state_dict``) works too: DSD gathers only DTensor and ShardedTensor values, so the
+hooks below recognise its full getter on the call stack and hand it full tensors, gathered unit by
+unit (``dsd_full.py``).
 
 Sharded (the default, what ``module.state_dict()`` returns): every parameter of a unit appears under
 its original fully-qualified name as a :class:`~flashfsdp.bindings.sharded_tensor.ShardedPiece`,
@@ -70,13 +67,15 @@ getters; ``full_state_dict.py`` the full state dicts, ``optim_state_dict.py`` th
 from __future__ import annotations
 
 import functools
-import inspect
-import sys
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from flashfsdp.runtime.flat_param import shards_written
+
+from .dsd_full import dsd_full_request, full_unit_params
+from .init_window import close_init_windows
 from .sharded_tensor import ShardedPiece
 from .state import FSDPState
 
@@ -91,55 +90,12 @@ def install_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
     """
     module.register_state_dict_post_hook(functools.partial(_post_state_dict, state))
     module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state))
+    module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state))
 
 
-_DSD_MODULE = "torch.distributed.checkpoint.state_dict"
-
-
-def _dsd_full_state_dict_getter() -> str | None:
-    """The DSD getter gathering a full state dict that called us (from the call stack), or None.
-
-    DSD's ``_get_model_state_dict`` / ``_get_optim_state_dict`` take their options as ``info``;
-    when ``info.full_state_dict`` is set they gather DTensors and ShardedTensors only. Nothing is
-    on the stack unless DSD has been imported. Should torch rename these internals, the check finds
-    nothing and the call is silent again (``tests/bindings/test_state_dict.py`` would fail).
-    """
-    dsd = sys.modules.get(_DSD_MODULE)
-    if dsd is None:
-        return None
-    getters = {}
-    for name in ("_get_model_state_dict", "_get_optim_state_dict"):
-        fn = getattr(dsd, name, None)
-        if fn is not None:
-            getters[inspect.unwrap(fn).__code__] = name
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = getters.get(frame.f_code)
-        if name is not None:
-            info = frame.f_locals.get("info")
-            return name if getattr(info, "full_state_dict", False) is True else None
-        frame = frame.f_back
-    return None
-
-
-def refuse_dsd_full_state_dict(what: str) -> None:
-    """Raise if DSD is gathering a full state dict of ``what`` (it would return pieces as full tensors)."""
-    getter = _dsd_full_state_dict_getter()
-    if getter is None:
-        return
-    raise NotImplementedError(
-        f"torch.distributed.checkpoint.state_dict cannot gather a full state dict "
-        f"(StateDictOptions(full_state_dict=True)) of {what}: it gathers only DTensor/ShardedTensor values and "
-        f"would return this rank's pieces as if they were full tensors. For the model's full state dict call "
-        f"flashfsdp.get_full_state_dict(model); for the optimizer, save it sharded (flashfsdp.checkpoint.save, "
-        f"or dcp.save of flashfsdp.get_optimizer_state_dict(model, optimizer)) and convert the checkpoint with "
-        f"torch.distributed.checkpoint.format_utils.dcp_to_torch_save. Sharded get_state_dict (the default "
-        f"options) and full_state_dict=True in set_*_state_dict work"
-    )
-
-
-def unit_param_keys(state: FSDPState) -> list[tuple[str, int]]:
-    """(state-dict key relative to ``state.module``, unit parameter index) of every registration.
+def unit_param_keys(state: FSDPState, module: nn.Module | None = None) -> list[tuple[str, int]]:
+    """(state-dict key relative to ``module``, unit parameter index) of every registration under
+    ``module`` (default: the state's first module; a grouped unit has one per module).
 
     Walks the module tree the way ``nn.Module.state_dict`` does (every path, shared submodules
     included) and stops at nested fully_shard'ed modules, whose parameters are not this unit's. A
@@ -147,7 +103,7 @@ def unit_param_keys(state: FSDPState) -> list[tuple[str, int]]:
     """
     slots = {(id(mod), name): i for i, regs in enumerate(state.registrations) for mod, name in regs}
     keys: list[tuple[str, int]] = []
-    stack = [("", state.module)]
+    stack = [("", state.module if module is None else module)]
     while stack:
         prefix, mod = stack.pop()
         for name in mod._parameters:
@@ -166,10 +122,17 @@ def _sharded_piece(param: nn.Parameter, key: str, keep_vars: bool) -> ShardedPie
 
 
 def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    refuse_dsd_full_state_dict(f"fully_shard'ed module '{state.unit.name}'")
+    close_init_windows()
+    info = dsd_full_request()
+    if info is not None:  # DSD's full-state-dict getter: full tensors (see dsd_full.py)
+        fulls = full_unit_params(state, info)
+        for rel, i in unit_param_keys(state, module):
+            if prefix + rel in state_dict:
+                state_dict[prefix + rel] = fulls[i]
+        return
     # The registrations hold the sharded pieces outside forward/backward and the unsharded views
     # inside; either way the master values are the pieces.
-    for rel, i in unit_param_keys(state):
+    for rel, i in unit_param_keys(state, module):
         key = prefix + rel
         if key in state_dict:
             keep_vars = isinstance(state_dict[key], nn.Parameter)
@@ -178,21 +141,27 @@ def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, pref
 
 def _pre_load_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str, local_metadata,
                          strict, missing_keys, unexpected_keys, error_msgs) -> None:
-    if local_metadata.get("assign_to_params_buffers", False):
-        raise ValueError(
-            f"load_state_dict(assign=True) is not supported on fully_shard'ed module '{state.unit.name}': its "
-            f"parameters are views into the sharded flat storage; call load_state_dict(state_dict) without assign"
-        )
+    close_init_windows()
+    shards_written()
     if state.holds_unsharded:
         raise RuntimeError(
             f"load_state_dict on fully_shard'ed module '{state.unit.name}' while its parameters are unsharded: "
             f"call it outside forward/backward, after module.reshard()"
         )
     # Replace each value by this rank's piece; the default loader then copies it into the piece.
-    for rel, i in unit_param_keys(state):
+    for rel, i in unit_param_keys(state, module):
         key = prefix + rel
         if key in state_dict:
             state_dict[key] = local_piece_of(state_dict[key], state.unit.sharded_param(i), key)
+
+
+def _post_load_state_dict(state: FSDPState, module: nn.Module, incompatible_keys) -> None:
+    """After ``load_state_dict(assign=True)``: the module holds the loaded pieces as new parameters;
+    take them back into the flat storage (on their device: a meta-device unit is materialised)."""
+    if any(getattr(mod._parameters.get(name), "_flashfsdp_piece", None) is None
+           for regs in state.registrations for mod, name in regs):
+        state.adopt_module_params()
+        close_init_windows([p for g in state.unit.groups for p in g.sharded_params])  # loaded, not to initialise
 
 
 def local_piece_of(value: Any, param: nn.Parameter, name: str) -> torch.Tensor:

@@ -57,7 +57,16 @@ class DeviceStreams:
         else:
             self.all_gather = None
             self.reduce_scatter = None
-        self._held: tuple = ()
+        self._held: list[tuple] = []
+        self.max_held = 1  # set_reduce_scatter_max_input_buffers
+        self._post_optim_event = None  # set_post_optim_event: the next all-gather waits on it instead
+
+    def set_post_optim_event(self, event) -> None:
+        """The next :meth:`use` of the all-gather stream waits on ``event`` instead of the current
+        stream (FSDP2's ``set_post_optim_event``: an event recorded after the optimizer step orders
+        every earlier compute kernel too, without the false dependency on later work)."""
+        if self.is_cuda:
+            self._post_optim_event = event
 
     @contextlib.contextmanager
     def use(self, stream: "torch.cuda.Stream | None") -> Iterator[None]:
@@ -65,7 +74,11 @@ class DeviceStreams:
         if stream is None:
             yield
             return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if stream is self.all_gather and self._post_optim_event is not None:
+            stream.wait_event(self._post_optim_event)
+            self._post_optim_event = None
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
 
@@ -85,19 +98,21 @@ class DeviceStreams:
     def hold_until_passed(self, event: "torch.cuda.Event | None", tensors: object) -> None:
         """Keep ``tensors`` alive until the compute stream waited on ``event`` (CUDA; no-op on CPU).
 
-        Releases what an earlier call held first (making the compute stream wait on its event), so
-        at most one unit's gradients are held past their pack: FSDP2's reduce-scatter-input scheme.
+        With ``max_held`` entries held already, the oldest is released first (the compute stream
+        waits on its event), so at most ``max_held`` units' gradients are held past their pack:
+        FSDP2's reduce-scatter-input scheme (``set_reduce_scatter_max_input_buffers``).
         """
         if not self.is_cuda:
             return
-        self.release_held()
-        self._held = (event, tensors)
+        while len(self._held) >= self.max_held:
+            self.wait(self._held.pop(0)[0])
+        self._held.append((event, tensors))
 
     def release_held(self) -> None:
-        """Make the compute stream wait on the held event, then drop the held tensors."""
-        if self._held:
-            self.wait(self._held[0])
-            self._held = ()
+        """Make the compute stream wait on every held event, then drop the held tensors."""
+        for event, _ in self._held:
+            self.wait(event)
+        self._held = []
 
     def wait_for_reduce_scatter(self, unit_name: str = "<root>") -> None:
         """Make the current stream wait for everything enqueued on the reduce-scatter stream."""

@@ -58,6 +58,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .intervals import union_shares
+
 COMM_KINDS = ("all_gather", "reduce_scatter")
 STREAMS = ("compute", "all_gather", "reduce_scatter")
 _active: "Profile | None" = None
@@ -159,17 +161,6 @@ class _WaitEnd:
         t, exact = self.completion.seconds()
         c = self.completion
         return min(c.done, max(c.waited, t)), exact
-
-
-def _busy_shares(spans: Sequence[Span]) -> list[tuple[Span, float]]:
-    """Each span with its share (µs) of the union of ``spans``: spans sorted by start, each counts
-    only the part after every earlier span ended. The shares sum to the union's length."""
-    out, cursor = [], float("-inf")
-    for s in sorted(spans, key=lambda s: (float(s.start), float(s.end))):
-        start, end = float(s.start), float(s.end)
-        out.append((s, max(0.0, end - max(start, cursor))))
-        cursor = max(cursor, end)
-    return out
 
 
 @dataclass
@@ -289,7 +280,8 @@ class Profile:
 
         streams: dict[str, float] = {}
         for stream in dict.fromkeys(s.stream for s in self.spans if s.kind in COMM_KINDS):
-            shares = _busy_shares([s for s in self.spans if s.kind in COMM_KINDS and s.stream == stream])
+            shares = union_shares([s for s in self.spans if s.kind in COMM_KINDS and s.stream == stream],
+                                  lambda s: (float(s.start), float(s.end)))
             for s, us in shares:
                 unit(s.unit)["comm_ms"] += us / 1e3
             streams[stream] = sum(us for _, us in shares) / 1e3
@@ -382,3 +374,60 @@ def span(kind: str, unit: str, stream: str = "compute", cuda_stream=None) -> Ite
         start = prof.now(cuda_stream)
         yield
         prof.add(kind, unit, stream, start, prof.now(cuda_stream))
+
+
+@dataclass
+class Issued:
+    """When a collective was issued, for the profile that records it (None fields: no profile).
+
+    ``issued``: :meth:`Profile.now` just before the collective was issued; ``issued_end``: on CUDA,
+    :meth:`Profile.now` on its stream right after it was enqueued (its completion there).
+    """
+
+    kind: str
+    unit: str
+    cuda_stream: object = None
+    issued: object = None
+    issued_end: object = None
+
+    def track(self, work):
+        """Let the profile time ``work``'s completion (CPU: its done-callback); returns ``work``."""
+        if self.issued is not None and self.cuda_stream is None:
+            work.track_completion()
+        return work
+
+
+@contextlib.contextmanager
+def issuing(kind: str, unit: str, cuda_stream=None) -> Iterator[Issued]:
+    """Around issuing one unit's collectives of ``kind`` ("all_gather", "reduce_scatter"): labels the
+    block for torch.profiler and, when a profile is active, notes when they were issued. Pass each
+    Work through ``record.track(...)``; later wait inside :func:`waiting` with the same record.
+    ``cuda_stream``: the collective's stream (None on CPU)."""
+    prof = _active
+    record = Issued(kind, unit, cuda_stream)
+    with label(kind, unit):
+        if prof is not None:
+            record.issued = prof.now(cuda_stream)
+        yield record
+        if prof is not None and cuda_stream is not None:
+            record.issued_end = prof.now(cuda_stream)
+
+
+@contextlib.contextmanager
+def waiting(record: Issued | None, works: Sequence, cuda_stream=None, wait_span: bool = True) -> Iterator[None]:
+    """Around waiting for the collectives ``record`` issued: labels the block ``wait_<kind>`` and,
+    when a profile is active, records the collectives and the wait (see :meth:`Profile.add_collective`;
+    ``cuda_stream``: the stream the wait is timed on, None for the current one)."""
+    prof = _active
+    if record is None:
+        yield
+        return
+    with label(f"wait_{record.kind}", record.unit):
+        timed = prof is not None and bool(works) and record.issued is not None
+        if timed:
+            waited = prof.now(cuda_stream)
+            completed_before = all(w.is_completed() for w in works)
+        yield
+        if timed:
+            prof.add_collective(record.kind, record.unit, works, record.issued, record.issued_end, waited,
+                                prof.now(cuda_stream), completed_before, wait_span=wait_span)

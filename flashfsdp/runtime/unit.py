@@ -7,47 +7,26 @@ requires_grad). Its step on rank r (DESIGN.md §2):
    ``param_dtype`` into its own slice), all-gather in place. Returns an :class:`AllGatherResult`
    carrying the work handles; ``wait()`` makes the compute stream wait (GPU) or blocks (CPU).
 2. reshard: free the unsharded storage (see ``streams`` for why no event is needed on free).
-3. reduce_grads [reduce-scatter stream]: one ``flatten`` launch packs every unsharded gradient into
-   a T-element buffer in ``reduce_dtype`` (cast, pre-divide, zero padding, zeros where no gradient);
-   reduce-scatter into S elements. The returned :class:`PendingReduce` finishes later: one
-   ``accumulate_grad_shard`` launch post-divides, casts and adds into ``sharded_grad`` and returns
-   the shard's squared norm and inf/nan flag from the same pass.
-
-[Note: pre-divide and post-divide]
-Summing W gradients in a low-precision ``reduce_dtype`` can overflow (fp16) or lose digits; so the
-gradients are scaled by 1/f_pre before the reduction and by 1/f_post after it, f_pre·f_post = W,
-with f_pre the power of two near sqrt(W) (FSDP1, ``_get_gradient_predivide_factor``). In fp32 the
-whole division happens after the sum (f_pre = 1), as a single-process mean would.
+3. reduce_grads [reduce-scatter stream]: pack + reduce-scatter + (later) accumulate, per group;
+   see ``reduce.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from flashfsdp.kernels import accumulate_grad_shard, flatten
-
+from . import trace
 from .communicator import Communicator, Work
 from .flat_param import FlatParam
-from . import trace
 from .layout import align_elements
+from .reduce import PendingReduce, accumulate_unsharded, gradient_divide_factors, reduce_group
 from .states import ShardState
 from .streams import DeviceStreams, streams_for
 
-
-def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
-    """(f_pre, f_post) with f_pre·f_post = W; f_pre = 1 for fp32/fp64 reductions.
-
-    Source: FSDP1 ``_get_gradient_predivide_factor`` (fairscale's ``gradient_predivide_factor``).
-    """
-    if reduce_dtype in (torch.float32, torch.float64) or world_size == 1:
-        return 1.0, float(world_size)
-    factor = 1
-    while world_size % factor == 0 and world_size / factor > factor:
-        factor *= 2
-    return float(factor), world_size / factor
+__all__ = ["AllGatherResult", "PendingReduce", "ShardedUnit", "ShardState", "gradient_divide_factors"]
 
 
 @dataclass
@@ -70,69 +49,19 @@ class AllGatherResult:
     versions: list[int]
     event: "torch.cuda.Event | None" = None
     streams: "DeviceStreams | None" = None
-    unit_name: str = ""
-    issued: object = None  # trace timestamps of the collective (when a profile is active)
-    issued_end: object = None
+    issued: "trace.Issued | None" = None  # when it was issued (for an active profile)
 
     def wait(self) -> None:
         """Make the current stream wait on the all-gathers (GPU) or block until done (CPU)."""
-        prof = trace.active()
-        with trace.label("wait_all_gather", self.unit_name):
-            if prof is not None and self.works:
-                waited = prof.now()
-                completed_before = all(w.is_completed() for w in self.works)
+        with trace.waiting(self.issued, self.works):
             for work in self.works:
                 work.wait()
-            if prof is not None and self.works and self.issued is not None:
-                prof.add_collective("all_gather", self.unit_name, self.works, self.issued, self.issued_end,
-                                    waited, prof.now(), completed_before)
         self.works = []
         if self.streams is not None:
             self.streams.wait(self.event)
             self.streams = None
         if self.buffers:
             torch._C._autograd._unsafe_set_version_counter(tuple(self.buffers), tuple(self.versions))
-
-
-@dataclass
-class PendingReduce:
-    """A reduce-scatter in flight and what is needed to accumulate its result."""
-
-    unit: "ShardedUnit"
-    group: FlatParam
-    work: Work
-    output: torch.Tensor
-    accumulate: bool
-    post_scale: float
-    keepalive: list = field(default_factory=list)
-    issued: object = None  # trace timestamps of the collective (when a profile is active)
-    issued_end: object = None
-
-    def finish(self) -> None:
-        """Wait for the reduce-scatter and accumulate into ``sharded_grad`` (fused norm and flag)."""
-        streams = self.unit.streams
-        name = self.unit.name
-        prof = trace.active()
-        with streams.use(streams.reduce_scatter):
-            with trace.label("wait_reduce_scatter", name):
-                if prof is not None:
-                    waited = prof.now(streams.reduce_scatter)
-                    completed_before = self.work.is_completed()
-                self.work.wait()
-                if prof is not None and self.issued is not None:
-                    # On CPU the compute thread itself blocked here; on CUDA the reduce-scatter
-                    # stream did (the compute stream's wait is recorded in wait_for_reduce_scatter).
-                    prof.add_collective("reduce_scatter", name, [self.work], self.issued, self.issued_end, waited,
-                                        prof.now(streams.reduce_scatter), completed_before,
-                                        wait_span=not streams.is_cuda)
-            grad = self.group.sharded_grad_buffer()
-            with trace.span("accumulate", name, "reduce_scatter", streams.reduce_scatter):
-                sq_norm, nonfinite = accumulate_grad_shard(
-                    self.output, grad, scale=self.post_scale, accumulate=self.accumulate
-                )
-        self.group.grad_stats = (sq_norm, nonfinite, grad._version)
-        self.group.expose_grads()
-        self.keepalive.clear()
 
 
 class ShardedUnit:
@@ -151,6 +80,8 @@ class ShardedUnit:
             consecutive ranks of ``communicator`` in order), and the backward's unshard
             all-gathers over these k ranks only: the secondary sharding of ZeRO++ hpZ (Wang et
             al. 2023) and FSDP2's ``reshard_after_forward=<int>``.
+        offload, pin_memory: keep the shards and their gradients in (pinned) CPU memory
+            (``CPUOffloadPolicy``; see :class:`FlatParam`).
 
     A unit with no parameters is allowed: its unshard and reduction do nothing.
     """
@@ -165,6 +96,8 @@ class ShardedUnit:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         post_forward_comm: Communicator | None = None,
+        offload: bool = False,
+        pin_memory: bool = False,
     ):
         self.name = name
         self.comm = communicator
@@ -188,16 +121,73 @@ class ShardedUnit:
             group = FlatParam(
                 [params[i] for i in idx], [fqns[i] for i in idx], rank=communicator.rank,
                 world_size=communicator.world_size, param_dtype=pdt, device=device, align=align,
+                offload=offload, pin_memory=pin_memory,
             )
             self.groups.append(group)
             for pos, i in enumerate(idx):
                 self.param_slots[i] = (group, pos)
         self.state = ShardState.SHARDED
         self._all_gather: AllGatherResult | None = None
+        self.all_reduce_hook = None  # FSDPModule.set_all_reduce_hook: called on each reduce-scatter output
+        self.all_reduce_hook_stream = None
+        self.rs_comm: Communicator | None = None  # set_separate_reduce_scatter_group
+        self.reduce_unused_params = False  # set_reduce_scatter_unused_params: zeros instead of None
+        # FSDPModule.set_gradient_divide_factor: the gradients are the sum over ranks divided by it
+        self.gradient_divide_factor: float | None = None
+        self._tag_pieces()
+
+    def _tag_pieces(self) -> None:
         for group in self.groups:
             for param in group.sharded_params:
                 param._flashfsdp_unit = self
                 param._flashfsdp_group = group
+
+    def adopt(self, registered: Sequence[torch.Tensor], device: torch.device | None = None) -> bool:
+        """Take back the parameters after ``nn.Module._apply`` changed them (``model.to(dtype)``,
+        ``to_empty``): see :meth:`FlatParam.rehome`. ``registered[i]``: what the module now holds
+        for parameter ``i``; ``device``: the compute device from now on (None: the parameters').
+        Returns True if anything changed (the caller then re-checks the communicator).
+
+        Raises:
+            RuntimeError: the unit is unsharded (call it outside forward/backward).
+            ValueError: a dtype the flat layout is not aligned for (a narrower one than at
+                ``fully_shard``), or parameters of one group now on different devices or dtypes.
+        """
+        changed = False
+        for group in self.groups:
+            pieces = [registered[i] for i, (g, _) in enumerate(self.param_slots) if g is group]
+            if len({p.device.type == "meta" for p in pieces}) > 1:
+                continue  # a meta-device group loaded one parameter at a time: wait for the rest
+            if len({(p.dtype, p.device) for p in pieces}) > 1:
+                raise ValueError(
+                    f"unit '{self.name}': after a module conversion its parameters have several dtypes or devices "
+                    f"({sorted({(str(p.dtype), str(p.device)) for p in pieces})}); convert the whole module at once"
+                )
+            if pieces and pieces[0].dtype != group.dtype:
+                self._check_alignment(group, pieces[0].dtype)
+            if group.rehome_needed(pieces):
+                if self.state is not ShardState.SHARDED:
+                    raise RuntimeError(
+                        f"unit '{self.name}' was converted (module.to / _apply) while its parameters are unsharded: "
+                        f"convert it outside forward/backward, after module.reshard()"
+                    )
+                changed |= group.rehome(pieces, self.param_dtype, device)
+        if changed:
+            self._tag_pieces()
+            self.device = self.groups[0].device if self.groups else self.device
+            self.streams = streams_for(self.device)
+        return changed
+
+    def _check_alignment(self, group: FlatParam, dtype: torch.dtype) -> None:
+        pdt = self.param_dtype or dtype
+        need = align_elements([dtype.itemsize, pdt.itemsize, (self.reduce_dtype or pdt).itemsize])
+        if group.layout.align % need:
+            raise ValueError(
+                f"unit '{self.name}': its parameters were converted to {dtype}, but the flat layout was built "
+                f"for {group.dtype} (offsets aligned to {group.layout.align} elements, {dtype} needs {need}); "
+                f"convert the module before fully_shard, or keep {group.dtype} master weights and compute in "
+                f"{dtype} with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype={dtype}))"
+            )
 
     # ------------------------------------------------------------------ params
     def unsharded_param(self, i: int) -> torch.nn.Parameter:
@@ -230,7 +220,7 @@ class ShardedUnit:
         works = []
         buffers = [g.unsharded_flat for g in self.groups]
         versions = [b._version for b in buffers]
-        prof, ag = trace.active(), self.streams.all_gather
+        ag = self.streams.all_gather
         with self.streams.use(ag), torch.no_grad():
             sources = []
             with trace.span("copy_in", self.name, "all_gather", ag):
@@ -242,15 +232,11 @@ class ShardedUnit:
                     else:
                         group.copy_in()
                         sources.append(group.shard_slice_of_unsharded())
-            with trace.label("all_gather", self.name):
-                issued = prof.now(ag) if prof is not None else None
+            with trace.issuing("all_gather", self.name, ag) as issued:
                 for group, source in zip(self.groups, sources):
-                    works.append(comm.all_gather_into_tensor(group.unsharded_flat, source))
-                    if prof is not None and not self.streams.is_cuda:
-                        works[-1].track_completion()
-                issued_end = prof.now(ag) if prof is not None and self.streams.is_cuda else None
+                    works.append(issued.track(comm.all_gather_into_tensor(group.unsharded_flat, source)))
             event = self.streams.record(ag)
-        self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, self.name, issued, issued_end)
+        self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, issued)
         self.state = ShardState.UNSHARDING
         return self._all_gather
 
@@ -262,6 +248,11 @@ class ShardedUnit:
             self._all_gather.wait()
             self._all_gather = None
             self.state = ShardState.UNSHARDED
+
+    def gathered_is_stale(self) -> bool:
+        """Whether an unsharded (or post-forward-sharded) unit's gathered parameters may be older
+        than its shards (see [Note: stale unsharded parameters] in ``flat_param.py``)."""
+        return self.state is not ShardState.SHARDED and any(g.gathered_is_stale() for g in self.groups)
 
     def reshard(self, to_secondary: bool = False) -> None:
         """Free the unsharded storage (waiting first for an all-gather still in flight).
@@ -282,46 +273,21 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self) -> list[PendingReduce]:
-        """Pack, reduce-scatter (asynchronously) the unsharded gradients of every trainable group.
+        """Pack, reduce-scatter (asynchronously) the unsharded gradients of every trainable group
+        (``reduce.py``). The unsharded parameters' ``.grad`` are released (set to None), and so is
+        the no-sync accumulation buffer. Returns one PendingReduce per group that had a gradient;
+        call ``finish()`` on each before reading ``sharded_grad``."""
+        return [p for p in (reduce_group(self, g) for g in self.groups) if p is not None]
 
-        The unsharded parameters' ``.grad`` are released (set to None). Returns one PendingReduce per
-        group that had a gradient; call ``finish()`` on each before reading ``sharded_grad``.
-        """
-        pending = []
-        for group in self.groups:
-            if not group.requires_grad:
-                continue
-            grads = [p.grad for p in group.unsharded_params]
-            if all(g is None for g in grads):
-                continue
-            reduce_dtype = self.reduce_dtype or group.param_dtype
-            f_pre, f_post = gradient_divide_factors(self.comm.world_size, reduce_dtype)
-            accumulate = group.prepare_grad_accumulation()
-            S, T = group.layout.shard_size, group.layout.total
-            prof, rs = trace.active(), self.streams.reduce_scatter
-            with self.streams.use(rs), torch.no_grad():
-                with trace.span("pack", self.name, "reduce_scatter", rs):
-                    packed = torch.empty(T, dtype=reduce_dtype, device=self.device)
-                    flatten(grads, list(group.layout.offsets), packed, scale=1.0 / f_pre, numels=list(group.layout.numels))
-                packed_event = self.streams.record(rs)
-                output = torch.empty(S, dtype=reduce_dtype, device=self.device)
-                with trace.label("reduce_scatter", self.name):
-                    issued = prof.now(rs) if prof is not None else None
-                    work = self.comm.reduce_scatter_tensor(output, packed, op="sum")
-                    if prof is not None and not self.streams.is_cuda:
-                        work.track_completion()
-                    issued_end = prof.now(rs) if prof is not None and self.streams.is_cuda else None
-            # Outside the reduce-scatter stream: the *compute* stream must pass the pack before
-            # the gradients it read may be freed (see streams.hold_until_passed).
-            self.streams.hold_until_passed(packed_event, grads)
-            for p in group.unsharded_params:
-                p.grad = None
-            pending.append(PendingReduce(self, group, work, output, accumulate, 1.0 / f_post, [packed], issued, issued_end))
-        return pending
+    def accumulate_unsharded_grads(self) -> None:
+        """A micro-batch without gradient sync ended: keep accumulating in ``reduce_dtype``
+        (``reduce.accumulate_unsharded``)."""
+        accumulate_unsharded(self)
 
     def has_unsharded_grads(self) -> bool:
         """Whether any unsharded parameter holds a gradient (accumulated without sync)."""
-        return any(p.grad is not None for g in self.groups for p in g.unsharded_params)
+        return any(p.grad is not None for g in self.groups for p in g.unsharded_params) or any(
+            g.unsharded_accum is not None for g in self.groups)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now: master shard + gradient shard, and unsharded buffers."""

@@ -25,10 +25,19 @@ def test_parameters_on_several_devices():
         fully_shard(model)
 
 
-def test_integer_parameter():
+def test_integer_parameter_is_left_replicated():
     model = nn.Linear(3, 3)
-    model.count = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
-    with pytest.raises(TypeError, match=r"parameter 'count' has dtype torch.int64.*ignored_params"):
+    model.count = nn.Parameter(torch.arange(2), requires_grad=False)
+    fully_shard(model)
+    assert model.count.shape == (2,) and not hasattr(model.count, "_flashfsdp_piece")
+    model(torch.zeros(1, 3)).sum().backward()
+    assert model.count.tolist() == [0, 1]
+
+
+def test_complex_parameter():
+    model = nn.Linear(3, 3)
+    model.phase = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"parameter 'phase' has dtype torch.complex64 and requires grad.*ignored_params"):
         fully_shard(model)
 
 
@@ -47,9 +56,30 @@ def test_parameters_already_in_another_unit():
         fully_shard(model[0])
 
 
-def test_a_list_of_modules():
-    with pytest.raises(TypeError, match=r"got a list of 2; pass one module; call fully_shard on each"):
-        fully_shard([nn.Linear(3, 3), nn.Linear(3, 3)])
+def test_a_bad_list_of_modules():
+    with pytest.raises(ValueError, match=r"empty list of modules"):
+        fully_shard([])
+    with pytest.raises(TypeError, match=r"nn.Module or a list of them, got int"):
+        fully_shard([nn.Linear(3, 3), 3])
+    lin = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"the same module appears twice"):
+        fully_shard([lin, lin])
+
+
+def test_tied_weight_in_two_separately_wrapped_units():
+    emb, out = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+    out.weight = emb.weight
+    fully_shard(emb)
+    with pytest.raises(ValueError, match=r"parameter 'weight' of Linear is shared with the unit of Embedding.*"
+                                         r"fully_shard\(\[module_a, module_b\]\)"):
+        fully_shard(out)
+
+
+def test_a_grouped_root_is_refused_at_its_first_forward():
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    fully_shard([a, b])
+    with pytest.raises(ValueError, match=r"has no fully_shard'ed parent.*a root must be one module"):
+        a(torch.zeros(1, 3))
 
 
 def test_inputs_on_the_wrong_device():
@@ -99,26 +129,18 @@ def test_single_rank_without_process_group_works(monkeypatch):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_cpu_offload_is_refused_clearly():
+def test_offload_policies_of_both_packages_are_accepted():
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy  # noqa: PLC0415
-
-    for policy in (CPUOffloadPolicy(), TorchCPUOffloadPolicy()):
-        with pytest.raises(NotImplementedError, match="CPUOffloadPolicy \\(CPU offload\\) is not supported yet; pass "
-                                                      "offload_policy=None"):
-            fully_shard(nn.Linear(3, 3), offload_policy=policy)
-
-
-def test_no_offload_policies_are_accepted():
     from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy  # noqa: PLC0415
 
-    for policy in (None, OffloadPolicy(), TorchOffloadPolicy()):
+    for policy in (None, OffloadPolicy(), TorchOffloadPolicy(), CPUOffloadPolicy(), TorchCPUOffloadPolicy(False)):
         model = fully_shard(nn.Linear(3, 3), offload_policy=policy)
         model(torch.randn(2, 3)).sum().backward()
         assert all(p.grad is not None for p in model.parameters())
 
 
 def test_offload_policy_of_another_type():
-    with pytest.raises(TypeError, match=r"offload_policy must be None or OffloadPolicy\(\).*got 'cpu'"):
+    with pytest.raises(TypeError, match=r"offload_policy must be None, OffloadPolicy\(\) or CPUOffloadPolicy\(\).*got 'cpu'"):
         fully_shard(nn.Linear(3, 3), offload_policy="cpu")
 
 

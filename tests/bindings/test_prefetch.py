@@ -49,16 +49,29 @@ def _count_all_gathers(model) -> collections.Counter:
     return counts
 
 
-def test_unit_run_twice_gets_one_all_gather_per_forward_and_backward():
-    """Forward a b c a, backward a c b a: each forward and backward of a unit all-gathers it once,
-    except a's last forward, whose parameters a keeps for its first backward (it ends just before
-    the root's: keep_for_backward); the second backward of a must not prefetch c again."""
+def test_unit_run_twice_gets_one_all_gather_per_forward_and_one_reduction():
+    """Forward a b c a, backward a c b a: each forward of a unit all-gathers it once, and each
+    backward too, except a's: its last forward keeps its parameters for its first backward (it ends
+    just before the root's: keep_for_backward), and a's gradients are ready only after its second
+    backward, so a stays unsharded in between (one reduce-scatter for a, not one per use); the
+    second backward of a must not prefetch c again."""
     model = _sharded_chain()
     x = torch.randn(2, 5)
     model(x).sum().backward()  # records the order
     counts = _count_all_gathers(model)
+    reductions = collections.Counter()
+    for name, m in (("a", model.a), ("b", model.b), ("c", model.c), ("root", model)):
+        unit = m._flashfsdp_state.unit
+
+        def reduce_grads(unit=unit, name=name, original=unit.reduce_grads):
+            pending = original()
+            reductions[name] += len(pending)
+            return pending
+
+        unit.reduce_grads = reduce_grads
     model(x).sum().backward()
-    assert counts == {"a": 3, "b": 2, "c": 2, "root": 1}
+    assert counts == {"a": 2, "b": 2, "c": 2, "root": 1}
+    assert reductions == {"a": 1, "b": 1, "c": 1, "root": 0}  # the root has no parameters of its own
 
 
 def test_no_grad_forward_that_skips_a_prefetched_unit_leaves_it_sharded():

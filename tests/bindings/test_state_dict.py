@@ -249,24 +249,32 @@ def test_stock_dsd_full_state_dict_loads(results):
     _assert_same(r0["full_load_model"], r0["full_load_want"])
 
 
-def test_stock_dsd_full_state_dict_getters_refuse_flashfsdp_models():
-    with use_backend("reference"):
-        model = _sharded(_llama())
-        opt = _adam_step(model)
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_msg = (r"cannot gather a full state dict \(StateDictOptions\(full_state_dict=True\)\) of fully_shard'ed "
-                     r"module '.*'.*call flashfsdp.get_full_state_dict\(model\)")
-        with pytest.raises(NotImplementedError, match=model_msg):
-            get_model_state_dict(model, options=full)
-        with pytest.raises(NotImplementedError, match=model_msg):
-            get_state_dict(model, opt, options=full)
-        with pytest.raises(NotImplementedError, match=r"of Adam over fully_shard'ed parameters.*dcp_to_torch_save"):
-            get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-        # the default (sharded) options still work, and flashfsdp's own full state dict
-        assert isinstance(get_model_state_dict(model)["norm.weight"], ShardedPiece)
-        assert isinstance(get_optimizer_state_dict(model, opt)["state"]["norm.weight"]["exp_avg"], ShardedPiece)
-        shapes = {k: v.shape for k, v in get_full_state_dict(model).items()}
-        assert shapes == {k: v.shape for k, v in _llama().state_dict().items()}
+def _dsd_full_getters(rank, world_size):
+    """DSD's full getters on a flashfsdp model: what flashfsdp's own gathering gives, by key."""
+    model = _sharded(_llama())
+    opt = _adam_step(model)
+    full_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=full_cpu)
+    return {"model": msd, "optim": osd["state"] if osd else {},
+            "model_all_ranks": get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)),
+            "optim_all_ranks": get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)),
+            "want_model": get_full_state_dict(model, rank0_only=False),
+            "want_optim": gather_full_optimizer_state(model, opt)}
+
+
+def test_stock_dsd_full_state_dict_getters_gather_flashfsdp_models():
+    """FSDP2 code exports with DSD's full getters: they must give full tensors, not this rank's pieces."""
+    r0, r1 = run_distributed(_dsd_full_getters, 2)
+    assert r1["model"] == {} and r1["optim"] == {}  # cpu_offload: rank 0 keeps them, as with FSDP2
+    for r, model_sd, optim in ((r0, r0["model"], r0["optim"]), (r1, r1["model_all_ranks"], None),
+                               (r0, r0["model_all_ranks"], r0["optim_all_ranks"]["state"])):
+        _assert_same(model_sd, r["want_model"])
+        assert not any(isinstance(v, ShardedPiece) for v in model_sd.values())
+        if optim is not None:
+            assert optim.keys() == r["want_optim"].keys()
+            for name, entries in r["want_optim"].items():
+                for key, want in entries.items():
+                    torch.testing.assert_close(optim[name][key], want, **EXACT)
 
 
 def test_flat_range_boxes_cover_every_range_exactly():
@@ -292,8 +300,11 @@ def test_sharded_piece_rejects_what_it_cannot_do():
     piece = ShardedPiece(torch.arange(5.0), (3, 4), 3, "w")
     assert piece.shape == (3, 4) and torch.equal(piece.detach().local(), torch.arange(5.0))
     assert piece.to(torch.float64).local().dtype == torch.float64
+    # element-wise ops with scalars or pieces of the same range run on the local elements (as DTensor's)
+    assert torch.equal((piece + 1).local(), torch.arange(5.0) + 1)
+    assert torch.equal(piece.detach().clone().fill_(7.0).local(), torch.full((5,), 7.0))
     with pytest.raises(NotImplementedError, match=r"ShardedPiece 'w' holds only elements \[3, 8\).*\.local\(\)"):
-        piece + 1
+        piece.sum()
     with pytest.raises(ValueError, match="local must be a 1-D tensor"):
         ShardedPiece(torch.zeros(2, 2), (2, 2), 0)
     with pytest.raises(ValueError, match="not inside a tensor of shape"):
@@ -343,8 +354,9 @@ def test_bad_input_is_named():
         with pytest.raises(ValueError, match=r"'layers.0.attention.wq.weight' has shape \(32, 31\), but the "
                                              r"parameter's full shape is \(32, 32\)"):
             model.load_state_dict({**good, "layers.0.attention.wq.weight": torch.zeros(32, 31)})
-        with pytest.raises(ValueError, match=r"load_state_dict\(assign=True\) is not supported"):
-            model.load_state_dict(dict(good), assign=True)  # a copy: torch keeps the flag in _metadata
+        model.load_state_dict(dict(good), assign=True)  # FSDP2 accepts it: the pieces are taken back
+        assert torch.equal(get_full_state_dict(model, rank0_only=False)["norm.weight"], good["norm.weight"])
+        assert all(hasattr(p, "_flashfsdp_piece") for p in model.parameters())
         wrong_range = ShardedPiece(torch.zeros(10), (32,), 0, "norm.weight")
         with pytest.raises(ValueError, match=r"'norm.weight' is a ShardedPiece of elements \[0, 10\).*another world"):
             model.load_state_dict({**good, "norm.weight": wrong_range})

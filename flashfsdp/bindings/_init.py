@@ -1,0 +1,346 @@
+"""fully_shard's argument checks and parameter collection (FSDP2's ``_fsdp_init``).
+
+Everything here runs once per ``fully_shard`` call, before the unit exists: which modules, which
+parameters (and every place each is registered), on which device, over which process group, and
+the one resolved meaning of ``reshard_after_forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from flashfsdp.kernels.validation import SUPPORTED_DTYPES
+from flashfsdp.runtime.comm_factory import KINDS, default_group
+from flashfsdp.runtime.communicator import Communicator
+
+from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+
+def check_modules(module) -> list[nn.Module]:
+    """The modules of one fully_shard call: one module, or a non-empty list/tuple of them.
+
+    Raises:
+        TypeError: not an ``nn.Module`` or a list/tuple of them.
+        ValueError: an empty list, a module twice, a module already fully_shard'ed, or a
+            ``ModuleList``/``ModuleDict`` (no forward to hook).
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard: got an empty list of modules; pass a module or a non-empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard: module must be an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: {type(m).__name__}; "
+                f"fully_shard its modules (each, or as one unit: fully_shard(list(container)))")
+        if m.__dict__.get("_flashfsdp_state") is not None:
+            raise ValueError(f"fully_shard: {type(m).__name__} is already fully_shard'ed; call fully_shard once per module")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard: the same module appears twice in the list; pass each module once")
+    return modules
+
+
+def check_mp_policy(mp_policy) -> MixedPrecisionPolicy:
+    """flashfsdp's policy as it is; torch's ``MixedPrecisionPolicy`` converted field by field.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(mp_policy, MixedPrecisionPolicy):
+        return mp_policy
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy  # noqa: PLC0415
+    except ImportError:  # torch built without distributed
+        TorchPolicy = None
+    if TorchPolicy is not None and isinstance(mp_policy, TorchPolicy):
+        return MixedPrecisionPolicy(mp_policy.param_dtype, mp_policy.reduce_dtype, mp_policy.output_dtype,
+                                    mp_policy.cast_forward_inputs)
+    raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+
+
+def check_offload_policy(offload_policy) -> tuple[bool, bool]:
+    """``(offload, pin_memory)`` of an offload policy: None or either package's ``OffloadPolicy()``
+    base (no offloading), or either package's ``CPUOffloadPolicy(pin_memory)``.
+
+    Raises:
+        TypeError: anything else.
+    """
+    accepted, cpu = [OffloadPolicy], [CPUOffloadPolicy]
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPU, OffloadPolicy as TorchBase  # noqa: PLC0415
+
+        accepted.append(TorchBase)
+        cpu.append(TorchCPU)
+    except ImportError:  # torch built without distributed
+        pass
+    if offload_policy is None or type(offload_policy) in accepted:
+        return False, False
+    if isinstance(offload_policy, tuple(cpu)):
+        return True, bool(offload_policy.pin_memory)
+    raise TypeError(
+        f"fully_shard: offload_policy must be None, OffloadPolicy() or CPUOffloadPolicy() (flashfsdp's or "
+        f"torch.distributed.fsdp's), got {offload_policy!r}"
+    )
+
+
+def check_communicator_kind(communicator) -> None:
+    """Raises ValueError unless ``communicator`` is a known kind name or a Communicator."""
+    if communicator not in KINDS and not isinstance(communicator, Communicator):
+        raise ValueError(f"fully_shard: communicator must be one of {KINDS} or a Communicator, got {communicator!r}")
+
+
+@dataclass(frozen=True)
+class ReshardAfterForward:
+    """FSDP2's ``reshard_after_forward: bool | int | None`` resolved once.
+
+    Attributes:
+        reshard: free the unsharded parameters after forward (None and True and W: yes; False and
+            1: no).
+        explicit: the value was given (not None). With None (FSDP2's default) the root keeps its
+            parameters (its backward starts at once), and so does the unit whose forward ends
+            last before the root's (the schedule's ``keep_for_backward``); an explicit value is
+            followed exactly, as FSDP2 does.
+        post_forward_size: k for 1 < k < W: keep 1/k of the parameters after forward and all-gather
+            over k consecutive ranks in backward (ZeRO++ hpZ); None otherwise.
+    """
+
+    reshard: bool
+    explicit: bool
+    post_forward_size: int | None
+
+
+def resolve_reshard_after_forward(value, world_size: int) -> ReshardAfterForward:
+    """Resolve ``reshard_after_forward`` for a unit over ``world_size`` ranks.
+
+    Raises:
+        ValueError: an int that is < 1, > W or does not divide W.
+        TypeError: neither a bool, an int nor None.
+    """
+    if value is None or isinstance(value, bool):
+        return ReshardAfterForward(value is not False, value is not None, None)
+    if not isinstance(value, int):
+        raise TypeError(f"fully_shard: reshard_after_forward must be a bool, an int or None, got {type(value).__name__}")
+    if value < 1 or value > world_size or world_size % value:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={value} must be a group size that divides the world size "
+            f"{world_size} (1 < size < {world_size} reshards to groups of consecutive ranks); or pass True/False"
+        )
+    return ReshardAfterForward(value != 1, True, value if 1 < value < world_size else None)
+
+
+@dataclass
+class CollectedParams:
+    """The parameters of one unit.
+
+    Attributes:
+        params: each parameter once (the originals, identical on every rank).
+        fqns: each one's name relative to the module it was found under.
+        registrations: per parameter, every ``(submodule, attribute name)`` holding it.
+        owners: per parameter, the module of the fully_shard call it was found under.
+        nested: ``(path, child)`` of every fully_shard'ed module met below, per calling module.
+    """
+
+    params: list[nn.Parameter]
+    fqns: list[str]
+    registrations: list[list[tuple[nn.Module, str]]]
+    owners: list[nn.Module]
+    nested: list[tuple[nn.Module, str, nn.Module]]
+
+
+def collect_params(modules: list[nn.Module], ignored: set[int]) -> CollectedParams:
+    """The parameters the unit takes over: those of ``modules`` not owned by a nested unit, not in
+    ``ignored``, each once (a shared parameter keeps all its registrations).
+
+    Raises:
+        ValueError: a parameter that another unit already took over (shared with a separately
+            wrapped module, e.g. tied weights).
+        TypeError: a non-floating-point parameter that requires grad (one that does not is left
+            replicated, see :func:`_left_replicated`).
+    """
+    out = CollectedParams([], [], [], [], [])
+    index: dict[int, int] = {}
+    for top in modules:
+        stack = [("", top)]
+        while stack:
+            prefix, mod = stack.pop()
+            for name, param in mod._parameters.items():
+                if param is None or id(param) in ignored or _left_replicated(param):
+                    continue
+                fqn = f"{prefix}{name}"
+                _check_param(param, fqn, top)
+                if id(param) in index:
+                    out.registrations[index[id(param)]].append((mod, name))
+                    continue
+                index[id(param)] = len(out.params)
+                out.params.append(param)
+                out.fqns.append(fqn)
+                out.registrations.append([(mod, name)])
+                out.owners.append(top)
+            for name, child in reversed(list(mod._modules.items())):
+                if child is None:
+                    continue
+                if child.__dict__.get("_flashfsdp_state") is not None:
+                    out.nested.append((top, f"{prefix}{name}", child))
+                    continue
+                if _managed_by_another_api(child):
+                    continue  # e.g. torch's composable replicate: its parameters are not ours
+                stack.append((f"{prefix}{name}.", child))
+    return out
+
+
+def _check_param(param: nn.Parameter, fqn: str, top: nn.Module) -> None:
+    unit = getattr(param, "_flashfsdp_unit", None)
+    if unit is not None:  # a sharded piece: its module was wrapped by an enclosing call already
+        raise ValueError(
+            f"fully_shard: parameter '{fqn}' of {type(top).__name__} already belongs to the unit of an earlier "
+            f"fully_shard call (unit '{unit.name}', where it is '{param._flashfsdp_fqn}'); call fully_shard "
+            f"bottom-up: inner modules first, then their parents"
+        )
+    taken = getattr(param, "_flashfsdp_taken_by", None)
+    if taken is not None:  # the original of a parameter another unit took over: shared
+        raise ValueError(
+            f"fully_shard: parameter '{fqn}' of {type(top).__name__} is shared with {taken}, wrapped by an "
+            f"earlier fully_shard call (e.g. tied embedding and output weights). A parameter must live in one "
+            f"unit: pass the modules that share it to one call, fully_shard([module_a, module_b]), or "
+            f"fully_shard only a module that contains all its users"
+        )
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"fully_shard: parameter '{fqn}' has dtype {param.dtype} and requires grad; only float32, bfloat16, "
+            f"float16 and float64 parameters are sharded: pass it in ignored_params or register it as a buffer"
+        )
+
+
+def _managed_by_another_api(module: nn.Module) -> bool:
+    """Whether a torch composable API (``replicate``, torch's own ``fully_shard``) manages ``module``."""
+    try:
+        from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415
+    except ImportError:
+        return False
+    return bool(_get_registry(module))
+
+
+def _left_replicated(param: nn.Parameter) -> bool:
+    """A frozen parameter of a dtype the flat kernels do not move (integers, fp8): it has no
+    gradient to reduce, so it stays a plain, replicated parameter of its module, as if in
+    ``ignored_params`` (FSDP2 shards it and never reduces it)."""
+    return param.dtype not in SUPPORTED_DTYPES and not param.requires_grad
+
+
+def mark_taken(params: Iterable[nn.Parameter], owner: str) -> None:
+    """Remember on each original parameter which unit took it over (for :func:`_check_param`)."""
+    for p in params:
+        p._flashfsdp_taken_by = owner
+
+
+def unit_device(modules: list[nn.Module], params: list[nn.Parameter], mesh) -> torch.device:
+    """The device of the unit's parameters (``meta`` allowed: they are materialised by to_empty).
+
+    Raises:
+        ValueError: parameters on several devices.
+    """
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"fully_shard: {type(modules[0]).__name__} has parameters on several devices "
+            f"({sorted(map(str, devices))}); move the module to one device first (module.to(device))"
+        )
+    if devices:
+        device = devices.pop()
+    elif mesh is not None:
+        device = torch.device(mesh.device_type)
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def target_device(device: torch.device, mesh, offload: bool = False) -> torch.device:
+    """Where a unit computes once materialised: ``device``, or for the meta device (and with CPU
+    offload, whose parameters live on the CPU) the mesh's device type, or CUDA when the default
+    process group runs NCCL, else the CPU."""
+    if device.type != "meta" and not (offload and device.type == "cpu"):
+        return device
+    if mesh is not None:
+        kind = mesh.device_type
+    elif dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        kind = "cuda"
+    else:
+        kind = "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+def mesh_group(mesh, device: torch.device):
+    """The process group of a 1-D ``DeviceMesh`` of ``device``'s type (None: the default group).
+
+    Raises:
+        TypeError: ``mesh`` is not a DeviceMesh.
+        ValueError: a mesh that is not 1-D, or of another device type than the parameters.
+    """
+    if mesh is None:
+        return default_group()
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard: mesh must be a 1-D DeviceMesh, got {mesh.ndim} "
+            f"dimensions; pass a 1-D mesh (2-D HSDP meshes are not supported yet)"
+        )
+    if mesh.device_type != device.type:
+        raise ValueError(
+            f"fully_shard: mesh is of device type '{mesh.device_type}' but the module's parameters are on "
+            f"{device}; build the mesh with init_device_mesh('{device.type}', ...) or move the module"
+        )
+    return mesh.get_group()
+
+
+def check_communicator_matches(comm: Communicator, group) -> None:
+    """Raise ValueError unless ``comm`` has the world size and rank of the mesh's ``group``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if comm.world_size != world or comm.rank != rank:
+        raise ValueError(
+            f"fully_shard: communicator {type(comm).__name__} has world size {comm.world_size} and rank "
+            f"{comm.rank}, but the mesh's group has world size {world} and this process is its rank {rank}; "
+            f"pass a communicator over the mesh's group, or communicator='auto' to build one"
+        )
+
+
+def check_shard_placement_fn(fn: Callable | None, params: list[nn.Parameter], fqns: list[str]) -> None:
+    """FSDP2's ``shard_placement_fn``: ``Shard(0)`` (or None) for every parameter is what flat
+    units do anyway; anything else cannot be honoured.
+
+    [Note: shard placements]
+    A flat unit shards the *flattened unit* (all its parameters end to end, split into W equal
+    ranges), not a dimension of each tensor; per-parameter dim-0 sharding (FSDP2's default) has
+    no other observable effect than the ranks' pieces, which state dicts and DCP describe as they
+    are. A placement on another dimension (e.g. ``Shard(1)`` for a tensor-parallel layout or an
+    optimizer that wants whole rows) would need per-parameter sharding.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        NotImplementedError: ``fn`` returns a placement other than None or ``Shard(0)``.
+    """
+    if fn is None:
+        return
+    if not callable(fn):
+        raise TypeError(f"fully_shard: shard_placement_fn must be callable or None, got {type(fn).__name__}")
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+
+    for param, fqn in zip(params, fqns):
+        placement = fn(param)
+        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.dim() if param.dim() else 0)):
+            continue
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}': flashfsdp shards the "
+            f"flattened unit into W equal ranges (flat units), so only Shard(0) or None can be honoured; use "
+            f"torch.distributed.fsdp.fully_shard for per-parameter placements on other dimensions"
+        )

@@ -1,0 +1,354 @@
+"""FSDPModule: the methods ``fully_shard`` adds to a module's class, with FSDP2's names.
+
+Every setter asks the module's :class:`~flashfsdp.bindings.state.FSDPState` (or those of every
+fully_shard'ed module below it, with ``recurse``); none pokes at its fields. The FSDP2 methods that
+cannot mean anything for flat units raise ``NotImplementedError`` saying why and what to use.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .init_window import close_init_windows
+from .state import FSDPState
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, state: FSDPState | None):
+        self._state = state
+
+    def wait(self) -> None:
+        """Make the current stream wait for the all-gather and install the unsharded parameters."""
+        if self._state is not None:
+            self._state.wait_unshard()
+            self._state = None
+
+
+class FSDPModule:
+    """Mixin that ``fully_shard`` adds to a module's class (``FSDP<ClassName>``), as FSDP2 does."""
+
+    def __new__(cls, *args, **kwargs):
+        """Constructing ``FSDP<ClassName>`` builds a plain ``ClassName`` (FSDP2 does the same): e.g.
+        slicing a fully_shard'ed ``nn.Sequential`` gives a plain Sequential of its children."""
+        orig_cls = cls.__mro__[2]  # 0: FSDP<ClassName>, 1: FSDPModule
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo):
+        """Refused, as by FSDP2: a copy would share (or copy half of) the unit's communicator,
+        flat storage and hooks.
+
+        Raises:
+            RuntimeError: always; deep-copy the module before ``fully_shard``, or build a new one
+                and load ``flashfsdp.get_full_state_dict(model)`` into it.
+        """
+        raise RuntimeError(
+            f"FSDP does not support deepcopy: {type(self).__name__} is fully_shard'ed. Copy the module before "
+            f"fully_shard, or build a new one and load flashfsdp.get_full_state_dict(model) into it")
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (behind ``to``, ``double``, ``to_empty``, ...), then the unit takes its
+        converted pieces back into its flat storage (``FSDPState.adopt_module_params``): after
+        ``model.to(torch.float64)`` the master shard, gradients and unsharded buffers are float64;
+        after ``to_empty(device=...)`` a meta-device unit holds this rank's shard on that device.
+
+        Raises:
+            RuntimeError: the unit is unsharded (convert outside forward/backward).
+            ValueError: a dtype narrower than at ``fully_shard`` (the flat layout is not aligned
+                for it: convert before fully_shard or use ``mp_policy``).
+        """
+        state = self.__dict__.get("_flashfsdp_state")
+        if state is not None:  # the other units' windows stay open (to_empty on the root reaches them first)
+            close_init_windows([p for g in state.unit.groups for p in g.sharded_params])
+        if state is not None and state.holds_unsharded:
+            raise RuntimeError(
+                f"{type(self).__name__}._apply (module.to / half / to_empty) while unit '{state.unit.name}' is "
+                f"unsharded: convert it outside forward/backward, after module.reshard()")
+        out = super()._apply(fn, recurse)
+        if state is not None:
+            state.adopt_module_params()
+        return out
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters; with ``async_op`` return a handle to ``wait()`` on.
+
+        Until :meth:`reshard` (or the end of the next forward/backward that reshards it) the
+        module's parameters are the full-shape views into the unsharded buffer.
+
+        Raises:
+            ValueError: this module was never passed to ``fully_shard``.
+        """
+        state = state_of(self, "unshard")
+        close_init_windows()
+        state.unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module holds its sharded pieces again.
+
+        Raises:
+            ValueError: this module was never passed to ``fully_shard``.
+        """
+        state_of(self, "reshard").reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Reduce gradients in backward (True) or accumulate them unsharded, without communication.
+
+        The next backward with sync on reduce-scatters everything accumulated meanwhile. With a
+        ``reduce_dtype`` other than ``param_dtype`` the accumulation runs in ``reduce_dtype``.
+        ``recurse``: also every fully_shard'ed module below this one.
+        """
+        for state in states_of(self, recurse, "set_requires_gradient_sync"):
+            state.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free the unsharded parameters after backward (True, the default) or keep them.
+
+        Keeping them saves the all-gather of the next forward during gradient accumulation; set it
+        back to True for the last micro-batch, since an optimizer step changes only the shards.
+        """
+        for state in states_of(self, recurse, "set_reshard_after_backward"):
+            state.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Free the unsharded parameters after forward (re-gather in backward) or keep them.
+
+        An explicit value like this one is followed exactly, by the root too (as FSDP2's setter);
+        only ``fully_shard``'s default (None) keeps the root and the last unit before it unsharded.
+        """
+        for state in states_of(self, recurse, "set_reshard_after_forward"):
+            state.set_reshard_after_forward(bool(reshard_after_forward))
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether this unit's backward needs its parameters (True) or not (e.g. an embedding, whose
+        backward reads only the indices): False skips the backward all-gather of a unit that
+        resharded after forward. Wrong when the backward does read them (like FSDP2's)."""
+        state_of(self, "set_unshard_in_backward").unshard_in_backward = bool(unshard_in_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step (default True). With False the end of
+        that backward does not wait for the gradient reductions in flight; the next root forward
+        does (micro-batching). Set it back to True before the micro-batch whose gradients the
+        optimizer will read."""
+        state_of(self, "set_is_last_backward").set_is_last_backward(bool(is_last_backward))
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's HSDP switch (all-reduce across replicas). A 1-D mesh has no replicas, so there is
+        no all-reduce to skip; accepted for compatibility (2-D meshes are not supported yet)."""
+        for state in states_of(self, recurse, "set_requires_all_reduce"):
+            state.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradients by ``factor`` instead of the world size.
+
+        Raises:
+            ValueError: ``factor`` is not a positive number.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
+        state_of(self, "set_gradient_divide_factor").unit.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor` (as in FSDP2)."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning,
+                      stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Only ever reduce with SUM. flashfsdp always does (the divide is a scale in the pack and
+        post-reduce kernels), so this changes nothing; accepted for compatibility."""
+        state_of(self, "set_force_sum_reduction_for_comms").force_sum_reduction = bool(enable)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Give parameters that got no gradient on any rank a zero gradient (True) instead of None
+        (False, the default). Flat units always reduce zeros for them, so usage that differs across
+        ranks (mixture of experts) never mismatches the collective either way."""
+        for state in states_of(self, recurse, "set_reduce_scatter_unused_params"):
+            state.unit.reduce_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Call ``hook(reduce_output)`` on each reduce-scatter output of this unit before it is
+        divided and accumulated: this rank's flat shard of a parameter group (1-D, ``reduce_dtype``,
+        padding included), e.g. for a user's own all-reduce across replicas. On CUDA it runs on
+        ``stream`` (default: the reduce-scatter stream) ordered after the reduce-scatter.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
+        unit = state_of(self, "set_all_reduce_hook").unit
+        unit.all_reduce_hook, unit.all_reduce_hook_stream = hook, stream
+
+    def set_post_optim_event(self, event) -> None:
+        """The root's first all-gather of the next step waits on ``event`` (recorded after the
+        optimizer step) instead of the whole compute stream; used once. No-op on CPU."""
+        state_of(self, "set_post_optim_event").unit.streams.set_post_optim_event(event)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many units' packed gradients may stay in flight before the compute stream waits for
+        the oldest pack (CUDA; default 1). More hides an exposed reduce-scatter, at the memory of
+        one unit's gradients each.
+
+        Raises:
+            TypeError: not an integer.
+            ValueError: an integer < 1.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"set_reduce_scatter_max_input_buffers: must be an integer >= 1, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers: must be an integer >= 1, got {max_input_buffers!r}")
+        for state in states_of(self, recurse, "set_reduce_scatter_max_input_buffers"):
+            state.unit.streams.max_held = max_input_buffers
+
+    def set_max_inflight_all_gathers(self, max_inflight: int) -> None:
+        """Let at most ``max_inflight`` units be prefetched (unsharded) ahead of compute.
+
+        Default 2; 0 disables prefetching (each unit is all-gathered when its forward or backward
+        starts). Only the root's value counts, for every unit under it: call this on the root.
+        Implicit prefetching asks for one unit at a time (the next in forward, the previous in
+        backward), explicit lists can ask for more and get the first ones that fit.
+
+        Raises:
+            ValueError: ``max_inflight`` is not an integer >= 0; this module was never passed to
+                ``fully_shard``; or it is not the root (known once the root's first forward ran:
+                then here, else at that forward).
+        """
+        if not isinstance(max_inflight, int) or isinstance(max_inflight, bool) or max_inflight < 0:
+            raise ValueError(f"set_max_inflight_all_gathers: max_inflight must be an integer >= 0, got {max_inflight!r}")
+        state_of(self, "set_max_inflight_all_gathers").set_max_inflight(max_inflight)
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Unshard these units when this one starts its forward (replaces the implicit choice)."""
+        where = "set_modules_to_forward_prefetch"
+        state_of(self, where).explicit_forward_prefetch = [state_of(m, where) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Unshard these units when this one starts its backward (replaces the implicit choice)."""
+        where = "set_modules_to_backward_prefetch"
+        state_of(self, where).explicit_backward_prefetch = [state_of(m, where) for m in modules]
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception aborted a forward or backward: wait for collectives in flight,
+        reshard every unit, drop the reductions in flight (the failed step's gradients are lost;
+        restart a gradient-accumulation sequence) and clear the step's bookkeeping. Call it on the
+        root.
+
+        Raises:
+            RuntimeError: called on a module that is not the root.
+        """
+        state_of(self, "reset_iter_state").reset_iter_state()
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Not supported: flashfsdp's collectives are its Communicators; pass your own
+        ``flashfsdp.runtime.communicator.Communicator`` as ``fully_shard(..., communicator=...)``."""
+        raise NotImplementedError(
+            "set_custom_all_gather: flashfsdp runs its all-gathers through a Communicator; pass one to "
+            "fully_shard(module, communicator=my_communicator) instead")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Not supported: see :meth:`set_custom_all_gather`."""
+        raise NotImplementedError(
+            "set_custom_reduce_scatter: flashfsdp runs its reduce-scatters through a Communicator; pass one to "
+            "fully_shard(module, communicator=my_communicator) instead")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported: the NCCL communicator enqueues on buffers from PyTorch's caching
+        allocator (its own streams); there is no process-group memory pool to allocate from."""
+        raise NotImplementedError(
+            "set_allocate_memory_from_process_group_for_comm: flashfsdp's collective buffers come from PyTorch's "
+            "caching allocator on its own streams; there is no process-group memory pool to use")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: symmetric-memory all-gathers belong to torch's NCCL process group, which
+        flashfsdp's CuPy NCCL communicator does not use."""
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: flashfsdp's NCCL collectives run through CuPy, not torch's symmetric memory; "
+            "use torch.distributed.fsdp.fully_shard for copy-engine all-gathers")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run this unit's reduce-scatters on a communicator of their own (a new process group over
+        the same ranks), so they can progress concurrently with all-gathers. Collective: call it on
+        every rank, in the same order."""
+        for state in states_of(self, recurse, "set_separate_reduce_scatter_group"):
+            state.set_separate_reduce_scatter_group(bool(enable))
+
+
+def states_of(module: nn.Module, recurse: bool, where: str) -> list[FSDPState]:
+    """``module``'s state, and with ``recurse`` those of every fully_shard'ed module below it.
+
+    Raises:
+        ValueError: ``module`` itself was never passed to ``fully_shard``.
+    """
+    states = [state_of(module, where)]
+    if recurse:
+        states = []
+        for m in module.modules():
+            state = m.__dict__.get("_flashfsdp_state")
+            if state is not None and state not in states:
+                states.append(state)
+    return states
+
+
+def state_of(module: nn.Module, where: str) -> FSDPState:
+    """The FSDPState of a fully_shard'ed module.
+
+    Raises:
+        ValueError: ``module`` was never passed to ``fully_shard``.
+    """
+    state = module.__dict__.get("_flashfsdp_state") if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(
+            f"{where}: {type(module).__name__} is not a fully_shard'ed module; call flashfsdp.fully_shard on it first"
+        )
+    return state
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` unshard and reshard like ``forward`` (e.g. ``generate``).
+
+    FSDP only knows ``nn.Module.forward``; other entry points (``model.generate()`` of a Hugging Face
+    model) would run on the sharded pieces. The method is wrapped in the unit's pre- and
+    post-forward, as FSDP2's function of the same name does. A module that is not fully_shard'ed is
+    left as it is (so the same code runs with and without flashfsdp).
+
+    Raises:
+        ValueError: ``module`` has no method ``method_name``.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
+    orig = getattr(module, method_name)
+
+    @functools.wraps(orig)
+    def wrapped(self, *args, **kwargs):
+        state = state_of(self, method_name)
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, orig(*args, **kwargs))
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """FSDP2's stream sharing between roots (pipeline stages). flashfsdp's units on one device
+    already share one all-gather and one reduce-scatter stream, so this only checks its input.
+
+    Raises:
+        ValueError: an element is not a fully_shard'ed module.
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx: expects a list of fully_shard'ed modules, got {type(module).__name__}")
