@@ -17,9 +17,10 @@ collective over the W ranks (spawned with ``benchmarks.distributed.run_ranks``):
 Every operation runs once cold first (the first call allocates what later calls reuse: reported in
 the ``cold_*`` columns) and then ``--repeats`` times warm (the main columns). Per operation: wall
 time (slowest rank, median of the warm repeats), peak memory growth during the operation per rank
-(median over the warm repeats; CUDA: ``max_memory_allocated`` above what was allocated before; CPU:
-the resident set sampled every 2 ms from ``/proc/self/statm`` above its value before, after
-``malloc_trim``), and the checkpoint's size on disk. For the full state dict, the goal's bound per
+(median over the warm repeats, ``flashfsdp.runtime.memory.PeakMemoryMeter``: CUDA
+``max_memory_allocated`` above what was allocated before; CPU: the resident set's high-water mark,
+reset at the operation's start after ``malloc_trim``, above the resident set then), and the
+checkpoint's size on disk. For the full state dict, the goal's bound per
 rank: the bytes of the largest unsharded unit plus this rank's shard of the parameters; on CPU rank
 0's growth includes the full state dict itself (it is the result, gathered to host memory by
 design; on CUDA it is not in device memory), so the verdict compares the growth minus that
@@ -32,12 +33,10 @@ Markdown to ``--out`` (default ``benchmarks/results/<device>/``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,57 +47,10 @@ import torch.nn as nn
 from benchmarks.common import environment, environment_columns, format_table, results_dir, write_csv, write_markdown
 from benchmarks.distributed import run_ranks
 from benchmarks.step import _model, _wrap
+from flashfsdp.runtime.memory import PeakMemoryMeter
 
 SYSTEMS = ("flashfsdp", "fsdp2")
 OPERATIONS = (("sharded", "save"), ("sharded", "load"), ("full", "save"), ("full", "load"))
-
-
-class PeakMemory:
-    """Peak memory growth of this process during a ``with`` block (bytes, in ``.peak``).
-
-    CUDA: ``torch.cuda.max_memory_allocated`` minus what was allocated at entry. CPU: the resident
-    set size, sampled every ``interval`` seconds by a thread reading ``/proc/self/statm``, minus its
-    value at entry (freed heap is handed back with glibc's ``malloc_trim`` first, so that the entry
-    value is not inflated by memory the block will reuse).
-    """
-
-    def __init__(self, device: torch.device, interval: float = 0.002):
-        self.device, self.interval, self.peak = device, interval, 0
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self._max = max(self._max, self._rss())
-            time.sleep(self.interval)
-
-    def __enter__(self) -> "PeakMemory":
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            return self
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:
-            pass
-        self._base = self._max = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
-            return
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self._max, self._rss()) - self._base
 
 
 def _operations(system: str, model: nn.Module, opt: torch.optim.Optimizer, where: str) -> dict:
@@ -206,7 +158,7 @@ def _run_system(rank: int, world_size: int, system: str, args, where: str) -> di
             shutil.rmtree(_sharded_path(where, system, i - 1), ignore_errors=True)
         for key in OPERATIONS:
             dist.barrier()
-            with PeakMemory(device) as mem:
+            with PeakMemoryMeter(device) as mem:
                 t0 = time.perf_counter()
                 ops[key](i)
                 if device.type == "cuda":
@@ -272,7 +224,13 @@ def _verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv=None) -> list[dict]:
+COLUMNS = ["system", "state_dict", "what", "op", "world_size", "params_M", "ms", "vs_fsdp2", "peak_mem_MiB",
+           "peak_per_rank_MiB", "held_MiB", "largest_unit_MiB", "bound_MiB", "verdict", "cold_ms", "cold_peak_MiB",
+           "size_MiB"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (see the module docstring); exits with the reason on bad values."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cuda = torch.cuda.is_available()
     parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() if cuda else 2)
@@ -291,7 +249,39 @@ def main(argv=None) -> list[dict]:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     args.seq, args.param_dtype = 32, "fp32"  # what benchmarks.step's _model/_wrap read; checkpoints are fp32
-    device = torch.device("cuda", 0) if cuda and not args.cpu else torch.device("cpu")
+    args.device = "cuda" if cuda and not args.cpu else "cpu"
+    return args
+
+
+def _notes(args, rows: list[dict], backend: str, verdicts: list[str]) -> list[str]:
+    mem = ("max_memory_allocated growth" if args.device == "cuda"
+           else "resident-set growth (peak RSS since a reset at the operation's start)")
+    return [f"Llama dim {args.dim}, {args.layers} layers ({rows[0]['params_M']:.1f}M parameters), fp32 master "
+            f"weights, AdamW state; W = {args.world_size} ({backend}); every operation runs once cold (cold_ms, "
+            f"cold_peak_MiB: the first call allocates what later calls reuse), then {args.repeats} warm repeats: ms "
+            f"is their median (slowest rank), peak_per_rank_MiB each rank's median {mem} during the operation "
+            f"(peak_mem_MiB the largest rank's; on CPU it includes the allocator's retention and is noisy by tens "
+            f"of MiB).",
+            "sharded: flashfsdp.checkpoint.save/load vs dcp.save/load of FSDP2's get_model_state_dict + "
+            "get_optimizer_state_dict (same DCP file-system writer/reader); every round saves into a new "
+            "directory, as a training loop saves step_N (the previous round's is removed outside the timed "
+            "region; replacing a checkpoint in place would add flashfsdp's atomic swap, the deletion of the old "
+            "one); full: model only, gathered to rank 0 and torch.save'd / torch.load'ed on rank 0 and broadcast.",
+            "Full rows: bound_MiB is the goal's bound per rank, the largest unsharded unit (largest_unit_MiB) plus "
+            "this rank's shard of the parameters; held_MiB is the full state dict rank 0 holds in the measured "
+            "memory (CPU only: it is the result, in host memory by design); verdict compares peak - held with the "
+            "bound per rank. The bound counts the shard, which is resident before the operation, so a growth "
+            "within it is lenient by one shard.",
+            "vs_fsdp2: time divided by FSDP2's time for the same operation (below 1: flashfsdp is faster). On CPU "
+            "the times are bound by the disk and by the other work on the machine; repeated runs differ by tens "
+            "of percent, so read ratios near 1 as equal.",
+            *verdicts]
+
+
+def main(argv=None) -> list[dict]:
+    """Run the benchmark (see the module docstring); return the rows written."""
+    args = parse_args(argv)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     env = environment(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     where = tempfile.mkdtemp(prefix="flashfsdp-ckpt-bench-", dir=args.dir)
@@ -306,41 +296,17 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         other = by.get(("fsdp2", r["state_dict"], r["op"]))
         r["vs_fsdp2"] = r["ms"] / other["ms"] if other else float("nan")
-    columns = ["system", "state_dict", "what", "op", "world_size", "params_M", "ms", "vs_fsdp2", "peak_mem_MiB",
-               "peak_per_rank_MiB", "held_MiB", "largest_unit_MiB", "bound_MiB", "verdict", "cold_ms", "cold_peak_MiB",
-               "size_MiB"]
     verdicts = _verdicts(rows)
     print(f"{env.device_name}: W={args.world_size} {backend}, Llama dim {args.dim} x {args.layers} layers, fp32, "
           f"AdamW; median of {args.repeats} warm repeats after one cold run")
-    print(format_table(rows, columns))
+    print(format_table(rows, COLUMNS))
     for line in verdicts:
         print(line)
     out = Path(args.out) if args.out else results_dir(env.slug)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "checkpoint.csv")
-    mem = "max_memory_allocated growth" if device.type == "cuda" else "resident-set growth (sampled every 2 ms)"
-    notes = [f"Llama dim {args.dim}, {args.layers} layers ({rows[0]['params_M']:.1f}M parameters), fp32 master "
-             f"weights, AdamW state; W = {args.world_size} ({backend}); every operation runs once cold (cold_ms, "
-             f"cold_peak_MiB: the first call allocates what later calls reuse), then {args.repeats} warm repeats: ms "
-             f"is their median (slowest rank), peak_per_rank_MiB each rank's median {mem} during the operation "
-             f"(peak_mem_MiB the largest rank's; on CPU it includes the allocator's retention and is noisy by tens "
-             f"of MiB).",
-             "sharded: flashfsdp.checkpoint.save/load vs dcp.save/load of FSDP2's get_model_state_dict + "
-             "get_optimizer_state_dict (same DCP file-system writer/reader); every round saves into a new "
-             "directory, as a training loop saves step_N (the previous round's is removed outside the timed "
-             "region; replacing a checkpoint in place would add flashfsdp's atomic swap, the deletion of the old "
-             "one); full: model only, gathered to rank 0 and torch.save'd / torch.load'ed on rank 0 and broadcast.",
-             "Full rows: bound_MiB is the goal's bound per rank, the largest unsharded unit (largest_unit_MiB) plus "
-             "this rank's shard of the parameters; held_MiB is the full state dict rank 0 holds in the measured "
-             "memory (CPU only: it is the result, in host memory by design); verdict compares peak - held with the "
-             "bound per rank. The bound counts the shard, which is resident before the operation, so a growth "
-             "within it is lenient by one shard.",
-             "vs_fsdp2: time divided by FSDP2's time for the same operation (below 1: flashfsdp is faster). On CPU "
-             "the times are bound by the disk and by the other work on the machine; repeated runs differ by tens "
-             "of percent, so read ratios near 1 as equal.",
-             *verdicts]
-    write_markdown(rows, columns + environment_columns(), out / "checkpoint.md", title="Checkpoint save and load",
-                   env=env, notes=notes)
+    write_markdown(rows, COLUMNS + environment_columns(), out / "checkpoint.md", title="Checkpoint save and load",
+                   env=env, notes=_notes(args, rows, backend, verdicts))
     return rows
 
 

@@ -1,9 +1,10 @@
 """Shared benchmark utilities: environment stamp, timing, tables (text, CSV, Markdown) and bar charts.
 
 Generic on purpose: every benchmark (``benchmarks.kernels``, ``benchmarks.step``,
-``benchmarks.overlap``) builds a list of row dicts, stamps them with :func:`environment`, prints
-:func:`format_table` and saves with :func:`write_csv`, :func:`write_markdown` and
-:func:`bar_chart` under :func:`results_dir` (``benchmarks/results/<device slug>/``), in the style
+``benchmarks.overlap``, ``benchmarks.checkpoint``) builds a list of row dicts, stamps them with
+:func:`environment`, prints :func:`format_table` and saves with :func:`write_csv`,
+:func:`write_markdown` (its table: :func:`markdown_table`) and :func:`bar_chart` under
+:func:`results_dir` (``benchmarks/results/<device slug>/``), in the style
 of the Triton tutorials' ``triton.testing`` benchmarks and Liger-Kernel's
 ``benchmark/scripts/utils.py``.
 """
@@ -11,7 +12,6 @@ of the Triton tutorials' ``triton.testing`` benchmarks and Liger-Kernel's
 from __future__ import annotations
 
 import csv
-import ctypes
 import datetime
 import math
 import platform
@@ -107,80 +107,6 @@ def measure_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 
     return statistics.median(samples)
 
 
-class PeakMemoryMeter:
-    """Peak memory of this process, with a reset, without a sampling thread (no timing noise).
-
-    Call :meth:`reset` where the measured region starts (for training steps: after the model is
-    built and sharded, so that the full model materialised before sharding does not count), then
-    :meth:`peak_bytes` at its end.
-
-    - CUDA: ``torch.cuda.reset_peak_memory_stats`` / ``max_memory_allocated``: the most bytes held
-      by tensors at any moment since the reset (model, optimizer state, activations, buffers).
-    - CPU (Linux): the kernel's resident-set high-water mark (``VmHWM`` in ``/proc/self/status``),
-      reset to the current RSS by writing ``5`` to ``/proc/self/clear_refs`` after glibc's
-      ``malloc_trim(0)`` handed freed heap back; minus the RSS at construction (the interpreter,
-      torch, the process group), so the figure counts the same things as on CUDA plus allocator
-      slack. Where the reset is not possible, the high-water mark of the whole process (whose
-      ``description`` then says so).
-
-    Args:
-        device: the device whose memory is measured.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._base = 0 if device.type == "cuda" else self._rss()
-        self.resettable = device.type == "cuda"
-        self.description = "max_memory_allocated since the reset"
-
-    @staticmethod
-    def _status_kib(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-        raise OSError(f"/proc/self/status has no {field}")
-
-    def _rss(self) -> int:
-        try:
-            return self._status_kib("VmRSS") * 1024
-        except OSError:
-            return 0
-
-    def reset(self) -> None:
-        """Start the peak from the memory held now."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._status_kib("VmHWM")
-            self.resettable = True
-            self.description = "peak RSS (VmHWM) since the reset, minus the RSS before the model"
-        except OSError:
-            self.resettable = False
-            self.description = "peak RSS of the whole process (no reset on this OS), minus the RSS before the model"
-
-    def peak_bytes(self) -> int:
-        """The peak since :meth:`reset`, in bytes (CPU: above the RSS at construction)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
-        if self.resettable:
-            peak = self._status_kib("VmHWM") * 1024
-        else:
-            import resource  # noqa: PLC0415
-
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return max(0, peak - self._base)
-
-
 def gigabytes_per_second(n_bytes: int, ms: float) -> float:
     """Throughput in GB/s (10^9 bytes per second)."""
     return n_bytes / (ms * 1e-3) / 1e9 if ms > 0 else math.inf
@@ -221,10 +147,15 @@ def write_markdown(rows: Sequence[Mapping[str, object]], columns: Sequence[str],
     lines += [f"- {note}" for note in notes]
     if notes:
         lines.append("")
-    lines.append("| " + " | ".join(columns) + " |")
-    lines.append("|" + "|".join("---" for _ in columns) + "|")
-    lines += ["| " + " | ".join(_cell(row.get(column)) for column in columns) + " |" for row in rows]
+    lines += markdown_table(rows, columns)
     path.write_text("\n".join(lines) + "\n")
+
+
+def markdown_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> list[str]:
+    """The lines of a Markdown table of ``columns`` (floats to 4 significant digits, NaN and None
+    as empty cells)."""
+    return (["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+            + ["| " + " | ".join(_cell(row.get(column)) for column in columns) + " |" for row in rows])
 
 
 def bar_chart(path: Path, panels: Mapping[str, tuple[Sequence[str], Mapping[str, Sequence[float]]]], *,
@@ -262,6 +193,6 @@ def environment_columns() -> list[str]:
 
 
 __all__ = [
-    "Environment", "environment", "slugify", "results_dir", "measure_ms", "PeakMemoryMeter", "gigabytes_per_second",
-    "format_table", "write_csv", "write_markdown", "bar_chart", "environment_columns",
+    "Environment", "environment", "slugify", "results_dir", "measure_ms", "gigabytes_per_second",
+    "format_table", "markdown_table", "write_csv", "write_markdown", "bar_chart", "environment_columns",
 ]

@@ -1,40 +1,115 @@
-"""Run a benchmark function on W local ranks (torch.multiprocessing spawn, gloo or NCCL).
+"""Run a function on W local ranks (torch.multiprocessing spawn, gloo or NCCL): the one spawner of
+the benchmarks and of the test harness (``tests.harness.run_distributed``).
 
-``run_ranks(fn, W, *args)`` starts W processes; rank r joins a process group over a loopback
-TCP store and calls ``fn(rank, W, *args)``; the return values come back as a list by rank.
-For quick W = 1 runs, ``run_ranks(..., in_process=True)`` inside :func:`single_process_group`
-calls ``fn(0, 1, *args)`` in this process instead (no process start-up, but every call shares
-the process: its memory, its caches, its imported modules).
+``spawn_ranks(fn, W, args)`` starts W processes; rank r joins a process group over a file store
+and calls ``fn(rank, W, *args)``; the return values (anything ``torch.save`` takes) come back as a
+list by rank. A rank that raises fails the call with every failed rank's traceback
+(:class:`RanksFailed`); ranks still running after ``timeout`` seconds are killed.
+
+``run_ranks(fn, W, *args)`` is the benchmarks' front end. For quick W = 1 runs,
+``run_ranks(..., in_process=True)`` inside :func:`single_process_group` calls ``fn(0, 1, *args)`` in
+this process instead (no process start-up, but every call shares the process: its memory, its
+caches, its imported modules).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
+import time
+import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class RanksFailed(RuntimeError):
+    """One or more ranks raised; the message holds their tracebacks, rank by rank."""
 
 
-def _worker(rank, world_size, port, backend, out_dir, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+@dataclass(frozen=True)
+class _RankSetup:
+    """What every rank does before it calls the function."""
+
+    backend: str
+    threads: int | None  # torch's intra-op threads per rank (None: torch's default)
+    kernels: str | None  # force flashfsdp's kernel backend ("reference", "triton"); None: automatic
+
+
+def _call(setup: _RankSetup, fn, rank: int, world_size: int, args: tuple):
+    if setup.kernels is None:
+        return fn(rank, world_size, *args)
+    from flashfsdp.kernels.dispatch import use_backend  # noqa: PLC0415
+
+    with use_backend(setup.kernels):
+        return fn(rank, world_size, *args)
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, setup: _RankSetup, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if setup.threads is not None:
+        torch.set_num_threads(setup.threads)
+    if setup.backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(setup.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"{rank}.pt"))
+        result = _call(setup, fn, rank, world_size, args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears the group down while another still talks to it
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _rank_errors(out_dir: str, world_size: int) -> list[str]:
+    errors = []
+    for r in range(world_size):
+        path = os.path.join(out_dir, f"rank{r}.pt")
+        if os.path.exists(path):
+            res = torch.load(path, weights_only=False)
+            if "error" in res:
+                errors.append(f"--- rank {r} ---\n{res['error']}")
+    return errors
+
+
+def spawn_ranks(fn, world_size: int, args: tuple = (), *, backend: str = "gloo", threads: int | None = None,
+                kernels: str | None = None, timeout: float | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return the results by rank.
+
+    Args:
+        fn: a module-level function (pickled by reference).
+        world_size: W >= 1.
+        args: the further arguments of ``fn`` (pickled).
+        backend: the torch.distributed backend, "gloo" or "nccl" (rank r on GPU r mod the count).
+        threads: torch's intra-op threads in each rank; None: torch's default.
+        kernels: force flashfsdp's kernel backend in the ranks ("reference", "triton"); None: automatic.
+        timeout: seconds before the ranks are killed and the call fails; None: no limit.
+
+    Raises:
+        RanksFailed: a rank raised (the message holds the tracebacks of the ranks that did).
+        TimeoutError: ranks still running after ``timeout`` seconds.
+    """
+    setup = _RankSetup(backend, threads, kernels)
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), tmp, setup, fn, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        try:
+            deadline = time.monotonic() + timeout if timeout is not None else None
+            while not ctx.join(timeout=None if deadline is None else max(0.1, deadline - time.monotonic())):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks still running after {timeout} s")
+        except mp.ProcessRaisedException as exc:
+            raise RanksFailed("\n".join(_rank_errors(tmp, world_size)) or str(exc)) from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)["ok"] for r in range(world_size)]
 
 
 @contextlib.contextmanager
@@ -64,7 +139,7 @@ def run_ranks(fn, world_size: int, *args, backend: str | None = None, in_process
             only); torch's intra-op thread count is restored afterwards.
 
     Raises:
-        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback is in the message).
+        RanksFailed: a rank raised (the message holds its traceback).
         ValueError: ``in_process`` with ``world_size != 1`` or outside a one-rank process group.
     """
     if in_process:
@@ -79,7 +154,4 @@ def run_ranks(fn, world_size: int, *args, backend: str | None = None, in_process
         finally:
             torch.set_num_threads(threads)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world_size, _free_port(), backend, tmp, fn, args), nprocs=world_size,
-                           start_method="spawn")
-        return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+    return spawn_ranks(fn, world_size, args, backend=backend)

@@ -9,7 +9,7 @@ the same batches with AdamW, one block per unit plus the root for the sharded sy
   ``tokens_per_s`` over all ranks.
 - ``peak_mem_MiB``: peak memory per rank (largest rank) from after the model is built and
   sharded (or wrapped) to the end of the timed steps, the same for every system
-  (``benchmarks.common.PeakMemoryMeter``: CUDA ``max_memory_allocated``; CPU peak RSS).
+  (``flashfsdp.runtime.memory.PeakMemoryMeter``: CUDA ``max_memory_allocated``; CPU peak RSS).
 - ``overhead_ms`` = step time - the unsharded step time: what sharding or replication costs over
   pure compute, exposed communication first. It is the measurable proxy of exposed communication
   for systems without a trace (FSDP2, DDP), and is also reported for flashfsdp. "unsharded" runs
@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from benchmarks.common import (PeakMemoryMeter, bar_chart, environment, environment_columns, format_table,
-                               results_dir, write_csv, write_markdown)
+from benchmarks.common import (bar_chart, environment, environment_columns, format_table, results_dir, write_csv,
+                               write_markdown)
 from benchmarks.distributed import run_ranks, single_process_group
+from flashfsdp.runtime.memory import PeakMemoryMeter
 
 SYSTEMS = ("flashfsdp", "fsdp2", "ddp", "unsharded")
 # Defaults per device type: ("cuda" needs the GPUs' count, filled in by parse_args).

@@ -13,6 +13,13 @@ compute stream and two communication streams and predicts one step. Times are se
 collective starts when the last rank issued it); a :class:`Contention` makes compute and in-flight
 collectives slow each other down, as on CPU hosts where gloo's thread shares the cores.
 
+Modules: :mod:`~flashfsdp.sim.engine` (the event engine: compute and side streams on one clock),
+:mod:`~flashfsdp.sim.replay` (the runtime's step replayed on it), :mod:`~flashfsdp.sim.simulate`
+(the entry points), :mod:`~flashfsdp.sim.settings` (schedule settings, comparisons and sweeps),
+:mod:`~flashfsdp.sim.calibrate` (traces and probes to the simulator's inputs),
+:mod:`~flashfsdp.sim.link`, :mod:`~flashfsdp.sim.contention` and :mod:`~flashfsdp.sim.model` (the
+cost models and the model description).
+
 ``python -m benchmarks.overlap`` validates it against measured W = 2 gloo steps on CPU (against a
 null model, step = compute, too) and sweeps Llama-style 8B and 70B models over W and link speeds.
 
@@ -39,9 +46,8 @@ from .model import (
     llama_model,
     model_from_measurements,
 )
-from .simulate import (
-    SETTINGS, Prediction, Setting, Span, compare_settings, prefetch_ahead, simulate, simulate_ranks,
-)
+from .settings import SETTINGS, Setting, compare_settings, prefetch_ahead, sweep
+from .simulate import Prediction, Span, simulate, simulate_ranks
 
 __all__ = [
     "Contention", "contention_rates", "fit_contention",
@@ -49,5 +55,5 @@ __all__ = [
     "LLAMA3_8B", "LLAMA3_70B", "LlamaShape", "Model", "Unit", "llama3_8b", "llama3_70b", "llama_model",
     "model_from_measurements",
     "SETTINGS", "Prediction", "Setting", "Span", "compare_settings", "prefetch_ahead", "simulate",
-    "simulate_ranks",
+    "simulate_ranks", "sweep",
 ]

@@ -8,8 +8,9 @@ import csv
 import pytest
 
 from benchmarks.overlap import (
-    EXPOSED_COLUMNS, NONCOMPUTE_COLUMNS, SCHEDULES, STEP_COLUMNS, TARGET_PCT, VERDICT_COLUMNS, main, parse_args,
+    EXPOSED_COLUMNS, NONCOMPUTE_COLUMNS, SCHEDULES, STEP_COLUMNS, TARGET_PCT, VERDICT_COLUMNS,
 )
+from benchmarks.overlap.__main__ import main, parse_args
 
 
 def _csv(path) -> list[dict]:

@@ -1,5 +1,6 @@
 """benchmarks.step: a toy-size run end to end (files, columns, notes), its device-dependent
-defaults and argument checks, and the resettable peak-memory meter it uses."""
+defaults and argument checks, and the in-process runner's guard (the peak-memory meter it uses is
+tested in tests/runtime/test_memory.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import csv
 import math
 
 import pytest
-import torch
 
-from benchmarks.common import PeakMemoryMeter, environment_columns
+from benchmarks.common import environment_columns
 from benchmarks.distributed import run_ranks
 from benchmarks.step import COLUMNS, SYSTEMS, main, parse_args
 
@@ -66,16 +66,3 @@ def test_in_process_ranks_need_a_one_rank_group():
     with pytest.raises(ValueError, match="in_process needs world_size 1 inside single_process_group"):
         run_ranks(print, 1, in_process=True)
 
-
-def test_peak_memory_reset_forgets_what_came_before():
-    size = 256 * 2**20  # bytes of fp32, touched so that they are resident
-    meter = PeakMemoryMeter(torch.device("cpu"))
-    meter.reset()
-    big = torch.ones(size // 4)
-    high = meter.peak_bytes()
-    # Most of it shows as growth (the allocator may reuse a few MiB that were already resident).
-    assert high >= size // 2
-    del big
-    meter.reset()
-    assert meter.peak_bytes() < high - size // 4  # what was freed before the reset no longer counts
-    assert "since the reset" in meter.description

@@ -1,66 +1,13 @@
-"""The overlap simulator (flashfsdp.sim): cost model, schedule replay, memory, bad input."""
+"""flashfsdp.sim.simulate: the replayed schedule's times, coupled ranks, memory and bad arguments."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
 from flashfsdp import sim
 from flashfsdp.runtime.schedule import PrefetchPolicy
-
-MB = 2**20
-LINK = sim.Link("test", alpha_s=1e-5, bandwidth=1e9)
-W = 4
-
-
-def _model(n_blocks=4, block_numel=MB, root_numel=MB // 2, fwd=0.01, bwd=0.02, **kwargs) -> sim.Model:
-    """Blocks of ``block_numel`` bf16 params (fp32 reduction) and equal compute."""
-    root = sim.Unit("<root>", root_numel, kwargs.pop("root_fwd", fwd), kwargs.pop("root_bwd", bwd), reduce_bytes=4)
-    blocks = tuple(sim.Unit(f"layers.{i}", block_numel, fwd, bwd, reduce_bytes=4) for i in range(n_blocks))
-    return sim.Model(root, blocks, **kwargs)
-
-
-def _ag(unit: sim.Unit, link=LINK, world_size=W) -> float:
-    return link.all_gather_s(unit.unsharded_bytes(world_size), world_size)
-
-
-def _rs(unit: sim.Unit, link=LINK, world_size=W) -> float:
-    return link.reduce_scatter_s(unit.reduce_bytes_total(world_size), world_size)
-
-
-NO_PREFETCH = PrefetchPolicy(forward=False, backward=False)
-
-
-# ------------------------------------------------------------------------------------- cost model
-
-
-def test_ring_cost_formula():
-    nbytes, alpha, beta = 3 * MB, 7e-6, 25e9
-    for world_size in (2, 8, 4096):
-        expected = (world_size - 1) / world_size * nbytes / beta + (world_size - 1) * alpha
-        assert sim.ring_collective_s(nbytes, world_size, alpha, beta) == pytest.approx(expected)
-        link = sim.Link("l", alpha, beta)
-        assert link.all_gather_s(nbytes, world_size) == pytest.approx(expected)
-        assert link.reduce_scatter_s(nbytes, world_size) == pytest.approx(expected)
-    assert sim.ring_collective_s(nbytes, 1, alpha, beta) == 0.0
-    assert sim.ring_collective_s(0, 8, alpha, beta) == 0.0
-
-
-def test_fit_recovers_alpha_and_beta():
-    alpha, beta = 50e-6, 2e9
-    samples = [(n, 2, sim.ring_collective_s(n, 2, alpha, beta)) for n in (2**16, 2**20, 2**24)]
-    fit_alpha, fit_beta = sim.fit_alpha_beta(samples)
-    assert fit_alpha == pytest.approx(alpha, rel=1e-9)
-    assert fit_beta == pytest.approx(beta, rel=1e-9)
-    link = sim.fit_link("fitted", samples, [(n, w, 2 * t) for n, w, t in samples])
-    assert link.rs_alpha_s == pytest.approx(2 * alpha) and link.rs_bandwidth == pytest.approx(beta / 2)
-
-
-def test_named_links():
-    assert set(sim.LINKS) == {"nvlink", "ib400", "eth100"}
-    assert sim.get_link("ib400").bandwidth == 50e9
-    assert sim.get_link(LINK) is LINK
+from tests.sim.common import LINK, MB, NO_PREFETCH, W, ag_time, rs_time
+from tests.sim.common import model as _model
 
 
 # ------------------------------------------------------------------------------------- schedule
@@ -89,8 +36,8 @@ def test_no_prefetch_exposes_every_all_gather_and_the_last_reduce_scatter():
     model = _model(root_backward_after=0.5)  # the root's last backward compute hides the last block's RS
     pred = sim.simulate(model, W, LINK, policy=NO_PREFETCH)
     block = model.blocks[0]
-    assert _rs(block) < block.backward_s
-    expected = _ag(model.root) + 2 * len(model.blocks) * _ag(block) + _rs(model.root)
+    assert rs_time(block) < block.backward_s
+    expected = ag_time(model.root) + 2 * len(model.blocks) * ag_time(block) + rs_time(model.root)
     assert pred.exposed_s == pytest.approx(expected)
 
 
@@ -98,11 +45,11 @@ def test_prefetch_hides_communication_when_compute_exceeds_it():
     # root_forward_before: the embedding's compute hides the first block's all-gather
     model = _model(root_forward_before=0.9, root_backward_after=0.5)
     block = model.blocks[0]
-    assert _ag(block) < block.forward_s and _rs(block) < block.backward_s
+    assert ag_time(block) < block.forward_s and rs_time(block) < block.backward_s
     pred = sim.simulate(model, W, LINK)
     # Exposed: the root's all-gather (nothing runs before it) and the root's reduce-scatter (nothing
     # after it); the root's pre-backward prefetches the last block (reverse post-forward order).
-    assert pred.exposed_s == pytest.approx(_ag(model.root) + _rs(model.root))
+    assert pred.exposed_s == pytest.approx(ag_time(model.root) + rs_time(model.root))
     no = sim.simulate(model, W, LINK, policy=NO_PREFETCH)
     assert pred.step_s < no.step_s
 
@@ -113,15 +60,17 @@ def test_explicit_prefetch_list_goes_through_the_policy():
     # An empty explicit list for the last block overrides its implicit prefetch of the one before
     # (the last block itself keeps its parameters for backward: keep_for_backward).
     explicit = sim.simulate(model, W, LINK, backward_prefetch={model.blocks[-1].name: []})
-    assert implicit.exposed_s == pytest.approx(_ag(model.root) + _rs(model.root))
-    assert explicit.exposed_s == pytest.approx(_ag(model.root) + _ag(model.blocks[-2]) + _rs(model.root))
-    assert explicit.step_s == pytest.approx(implicit.step_s + _ag(model.blocks[-2]))
+    assert implicit.exposed_s == pytest.approx(ag_time(model.root) + rs_time(model.root))
+    assert explicit.exposed_s == pytest.approx(ag_time(model.root) + ag_time(model.blocks[-2]) + rs_time(model.root))
+    assert explicit.step_s == pytest.approx(implicit.step_s + ag_time(model.blocks[-2]))
 
 
 def test_simulator_drives_the_runtime_policy():
     calls = []
 
     class Recording(PrefetchPolicy):
+        """The default policy, noting every decision."""
+
         def forward_targets(self, key, order, explicit=None):
             out = super().forward_targets(key, order, explicit)
             calls.append(("forward", key, tuple(out)))
@@ -157,7 +106,7 @@ def test_first_step_has_no_forward_prefetch():
 
 def test_host_blocking_waits_on_reductions():
     model = _model(bwd=0.001)  # reduce-scatters slower than backward compute
-    assert _rs(model.blocks[0]) > model.blocks[0].backward_s
+    assert rs_time(model.blocks[0]) > model.blocks[0].backward_s
     gpu = sim.simulate(model, W, LINK, record_timeline=True)
     cpu = sim.simulate(model, W, LINK, host_blocking=True, record_timeline=True)
     assert cpu.step_s >= gpu.step_s - 1e-12  # both bound by the reduce-scatter stream at the end
@@ -205,7 +154,7 @@ def test_contention_of_one_all_gather_behind_compute():
     # root_forward_before=1: the root's whole forward runs before layers.0, whose all-gather the
     # root prefetches (second step): compute and the collective overlap from the same instant.
     model = _model(root_fwd=0.01, root_forward_before=1.0)
-    g = _ag(model.blocks[0])
+    g = ag_time(model.blocks[0])
     compute_rate, comm_rate = 0.5, 0.25
     assert g / comm_rate < model.root.forward_s  # the all-gather ends inside the root's forward
     contention = sim.Contention(compute_rate, comm_rate)
@@ -247,37 +196,6 @@ def test_reduce_scatter_contention_is_separate():
     overlapped = [s for s in base.timeline if s.kind == "reduce_scatter" and s.unit not in ("<root>", "layers.0")]
     assert len(overlapped) == len(model.blocks) - 1
     assert pred.step_s == pytest.approx(base.step_s + 0.5 * sum(s.end - s.start for s in overlapped))
-
-
-def test_contention_rates_recovered_from_overlap_measurements():
-    compute_rate, comm_rate = 0.6, 0.45
-    samples = []
-    for c, m in ((0.01, 0.05), (0.02, 0.06), (0.005, 0.03)):
-        c_ov = c / compute_rate  # the kernel overlapped the collective throughout
-        samples.append((c, c_ov, m, m - comm_rate * c_ov))
-    assert sim.contention_rates(samples) == (pytest.approx(compute_rate), pytest.approx(comm_rate))
-    fitted = sim.fit_contention(samples, [(c, c_ov, m, m - 0.2 * c_ov) for c, c_ov, m, _ in samples])
-    assert fitted.rates("all_gather") == (pytest.approx(compute_rate), pytest.approx(comm_rate))
-    assert fitted.rates("reduce_scatter") == (pytest.approx(compute_rate), pytest.approx(0.2))
-    # noise above 1 is clipped: overlap never speeds anything up
-    assert sim.contention_rates([(0.011, 0.01, 0.05, 0.03)])[0] == 1.0
-
-
-def test_bad_contention():
-    with pytest.raises(ValueError, match="compute_rate"):
-        sim.Contention(0.0, 0.5)
-    with pytest.raises(ValueError, match="comm_rate"):
-        sim.Contention(0.5, 1.5)
-    with pytest.raises(ValueError, match="reduce_scatter_comm_rate"):
-        sim.Contention(0.5, 0.5, reduce_scatter_comm_rate=math.nan)
-    with pytest.raises(ValueError, match="at least one"):
-        sim.contention_rates([])
-    with pytest.raises(ValueError, match="outlasts it"):
-        sim.contention_rates([(0.01, 0.02, 0.005, 0.0)])
-    with pytest.raises(ValueError, match="> 0 seconds"):
-        sim.contention_rates([(-0.01, 0.02, 0.05, 0.01)])
-    with pytest.raises(ValueError, match="contention must be"):
-        sim.simulate(_model(), W, LINK, contention=(0.5, 0.5))
 
 
 # ------------------------------------------------------------------------------------- ranks
@@ -398,71 +316,7 @@ def test_slow_reduce_scatters_do_not_pile_up_memory():
     assert b.exposed_s > a.exposed_s  # the backward is bound by the reduce-scatters
 
 
-# ------------------------------------------------------------------------------------- builders
-
-
-def test_llama_builders():
-    m8, m70 = sim.llama3_8b(), sim.llama3_70b()
-    assert len(m8.blocks) == 32 and len(m70.blocks) == 80
-    assert m8.num_params() == pytest.approx(8.03e9, rel=0.01)
-    assert m70.num_params() == pytest.approx(70.55e9, rel=0.01)
-    block = m8.blocks[0]
-    matmul = sim.LLAMA3_8B.block_params() - 2 * 4096
-    assert block.forward_s + block.backward_s == pytest.approx(6 * matmul * 8192 / 400e12)
-    assert block.backward_s == pytest.approx(2 * block.forward_s)
-    assert block.param_bytes == 2 and block.reduce_bytes == 4
-    faster = sim.llama3_8b(flops_per_s=800e12)
-    assert faster.compute_s() == pytest.approx(m8.compute_s() / 2)
-    assert sim.llama3_8b(seq_len=8192).compute_s() > m8.compute_s()
-
-
-def test_settings_and_compare():
-    model = _model()
-    preds = sim.compare_settings(model, W, LINK)
-    assert [p.label for p in preds] == [s.label for s in sim.SETTINGS]
-    by = {p.label: p for p in preds}
-    assert by["fwd+bwd (default)"].step_s <= by["no prefetch"].step_s
-    row = preds[0].row()
-    assert row["step_ms"] == pytest.approx(preds[0].step_s * 1e3)
-
-
-def test_model_from_measurements_uses_milliseconds():
-    units = {"<root>": {"numel": 10, "forward_ms": 1.0, "backward_ms": 2.0},
-             "layers.0": {"numel": 20, "forward_ms": 3.0, "backward_ms": 6.0, "param_bytes": 4}}
-    model = sim.model_from_measurements(units, loss_s=0.001)
-    assert model.root.forward_s == pytest.approx(1e-3) and model.blocks[0].backward_s == pytest.approx(6e-3)
-    assert model.blocks[0].param_bytes == 4
-    assert model.compute_s() == pytest.approx(0.013)
-
-
 # ------------------------------------------------------------------------------------- bad input
-
-
-@pytest.mark.parametrize("world_size", [0, -1, 2.0, True])
-def test_bad_world_size(world_size):
-    with pytest.raises(ValueError, match="world_size"):
-        sim.simulate(_model(), world_size, LINK)
-    with pytest.raises(ValueError, match="world_size"):
-        sim.ring_collective_s(MB, world_size, 1e-6, 1e9)
-
-
-@pytest.mark.parametrize("field,value", [("numel", -1), ("forward_s", -0.1), ("backward_s", math.nan),
-                                         ("param_bytes", -2)])
-def test_bad_unit(field, value):
-    kwargs = {"name": "u", "numel": 1, "forward_s": 0.0, "backward_s": 0.0, field: value}
-    with pytest.raises(ValueError, match=field):
-        sim.Unit(**kwargs)
-
-
-def test_bad_link_and_sizes():
-    with pytest.raises(ValueError, match="unknown link 'infiniband'.*nvlink"):
-        sim.simulate(_model(), W, "infiniband")
-    with pytest.raises(ValueError, match="nbytes"):
-        sim.ring_collective_s(-1, 2, 1e-6, 1e9)
-    with pytest.raises(ValueError, match="bandwidth"):
-        sim.Link("x", 1e-6, 0)
-    with pytest.raises(ValueError, match="alpha_s"):
-        sim.Link("x", -1e-6, 1e9)
 
 
 def test_bad_simulate_arguments():

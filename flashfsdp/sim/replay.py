@@ -1,0 +1,378 @@
+"""The replay of the runtime's step on the simulator's event engine.
+
+:class:`StepReplay` does what ``flashfsdp.bindings.state`` does, in the same order, through the same
+policy objects (:class:`~flashfsdp.runtime.schedule.ExecutionOrder` and
+:class:`~flashfsdp.runtime.schedule.PrefetchPolicy`) and the same state machines
+(:class:`~flashfsdp.runtime.states.ShardState`, :class:`~flashfsdp.runtime.states.TrainingState`),
+on the three streams of :mod:`flashfsdp.sim.engine`:
+
+- **compute** — the units' forward and backward compute (and, on a CPU host, everything the one
+  Python thread does: copy-in, waits).
+- **all-gather** — copy-in (optionally) and the all-gathers, first in first out.
+- **reduce-scatter** — the reduce-scatters, first in first out.
+
+``shared_comm_stream=True`` puts both collectives on one FIFO (gloo on CPU: one worker runs every
+collective in issue order).
+
+[Note: the step the simulator replays]
+Per step, mirroring ``FSDPState`` (``_pre_forward``, ``_post_forward``, ``_pre_backward``,
+``_post_backward``, ``_final_callback``, ``_prefetch``):
+
+1. root pre-forward: finish pending reductions; ``order.start_step()``; ``order.record(root)``;
+   wait for the root's all-gather (issuing it if no prefetch did); prefetch
+   ``policy.forward_targets(root)`` (candidates still sharded, ``policy.admit`` against the number
+   prefetched); the root's forward compute before its first block.
+2. every block, in order: ``order.record``; wait own all-gather; prefetch forward targets; forward
+   compute; reshard (if ``reshard_after_forward`` and not ``policy.keep_for_backward``: the last
+   block keeps its parameters for the backward; the root never reshards after forward).
+3. the rest of the root's forward; the loss (``Model.loss_s``).
+4. root pre-backward: wait own all-gather (still unsharded), prefetch
+   ``policy.backward_targets(root)``; the root's backward compute before the blocks'.
+5. every block, in reverse: pre-backward waits own all-gather and prefetches backward targets;
+   backward compute; post-backward issues the reduce-scatter (on a GPU after waiting on the previous
+   pack, see [Note: waiting on the previous pack]), then finishes the reductions issued before it
+   (on a CPU host, ``host_blocking=True``, that blocks the thread on them; on a GPU it only orders
+   the reduce-scatter stream), then reshards.
+6. the rest of the root's backward; the final callback runs the post-backward of every unit still
+   in ``TrainingState.PRE_BACKWARD`` (the root: its reduce-scatter), reshards any unit prefetched
+   but unused, and waits for every reduce-scatter.
+7. the optimizer step (``Model.optimizer_s``).
+
+The first simulated step records the execution order (no forward prefetch yet, as in the
+runtime); the prediction is the last of ``steps`` steps.
+
+Memory per rank (bytes): the sharded state of every unit (``Unit.state_bytes`` per sharded element)
+plus what the step allocates: a unit's unsharded parameters from its all-gather's issue to its
+reshard; its unsharded gradients from the start of its backward until they are packed (CPU host: its
+own post-backward; GPU: the next post-backward, when the compute stream has waited on the pack); the
+reduce-scatter's buffers (packed input and reduced shard) from issue until the runtime finishes the
+reduction (on a GPU the caching allocator hands the block back then and reuses it in stream order).
+Activations are not modelled.
+
+[Note: waiting on the previous pack]
+On a GPU, each post-backward makes the compute stream wait on the event recorded after the
+previous unit's gradient pack before dropping those gradients (``DeviceStreams.hold_until_passed``,
+FSDP2's reduce-scatter-input scheme). The simulator models the pack as taking no time, so that wait
+ends when the previous unit's reduce-scatter starts: reduce-scatters slower than backward compute
+stall the compute stream instead of queueing without bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from flashfsdp.runtime.intervals import union_length
+from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
+from flashfsdp.runtime.states import ShardState, TrainingState
+
+from .contention import Contention
+from .engine import CommEngine, CommOp, Span
+from .link import Link
+from .model import Model, Unit
+
+COLLECTIVES = ("all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How the replayed runtime is configured (see :func:`~flashfsdp.sim.simulate.simulate`)."""
+
+    policy: PrefetchPolicy
+    reshard_after_forward: bool = True
+    forward_prefetch: Mapping[str, Sequence[str]] | None = None
+    backward_prefetch: Mapping[str, Sequence[str]] | None = None
+    shared_comm_stream: bool = False
+    share_link_bandwidth: bool = False
+    host_blocking: bool = False
+    contention: Contention | None = None
+
+
+@dataclass
+class UnitState:
+    """One unit in the replay, in the runtime's own states."""
+
+    unit: Unit
+    shard: ShardState = ShardState.SHARDED
+    training: TrainingState = TrainingState.IDLE
+    op: CommOp | None = None  # the all-gather in flight (``shard`` is UNSHARDING)
+    unsharded_mem: int = 0  # memory id of the unsharded parameters
+    grads_mem: int = 0  # memory id of the unsharded gradients (from pre-backward until packed)
+
+
+class MemoryLog:
+    """The step's allocations on the replay's clock: id -> [alloc time, free time (None: not
+    yet), bytes]; :meth:`peak` is the most bytes alive at once."""
+
+    def __init__(self):
+        self.events: dict[int, list] = {}
+
+    def alloc(self, now: float, nbytes: int) -> int:
+        """Allocate ``nbytes`` at ``now``; returns the allocation's id."""
+        key = len(self.events) + 1
+        self.events[key] = [now, None, nbytes]
+        return key
+
+    def free(self, now: float, key: int) -> None:
+        """Free allocation ``key`` at ``now`` (an id of an earlier step is ignored)."""
+        if key in self.events:
+            self.events[key][1] = now
+
+    def peak(self) -> int:
+        """The most bytes alive at once (at equal times frees go first)."""
+        events = []
+        for alloc, free, nbytes in self.events.values():
+            events.append((alloc, 1, nbytes))
+            events.append((math.inf if free is None else free, 0, -nbytes))
+        peak = current = 0
+        for _, _, delta in sorted(events):
+            current += delta
+            peak = max(peak, current)
+        return peak
+
+
+class StepReplay:
+    """The runtime's per-step sequence on one rank (see [Note: the step the simulator replays]).
+
+    Args:
+        model, world_size, link: what runs where.
+        options: the runtime's configuration.
+        copy_bandwidth: bytes per second of the copy-in; None: free.
+        peer_issues, peer_ends: by collective number, the latest issue and end on the other ranks
+            (None: this rank alone); see :func:`~flashfsdp.sim.simulate.simulate_ranks`.
+    """
+
+    def __init__(self, model: Model, world_size: int, link: Link, options: ReplayOptions,
+                 copy_bandwidth: float | None = None, peer_issues: Sequence[float] | None = None,
+                 peer_ends: Sequence[float] | None = None):
+        self.model, self.W, self.link, self.options = model, world_size, link, options
+        self.policy = options.policy
+        self.copy_bandwidth = copy_bandwidth
+        self.peer_issues, self.peer_ends = peer_issues, peer_ends
+        self.issues: list[float] = []  # this rank's issue times, by collective number
+        self.all_ops: list[CommOp] = []  # every step's collectives, by number
+        self.fwd_lists = dict(options.forward_prefetch or {})
+        self.bwd_lists = dict(options.backward_prefetch or {})
+        self.engine = CommEngine(options.share_link_bandwidth, options.contention)
+        self.order = ExecutionOrder()
+        self.states = {u.name: UnitState(u) for u in model.units}
+        self.prefetched: set[str] = set()
+        self.pending: list[tuple[CommOp, int]] = []  # reduce-scatters not finished, with their memory id
+        self.held: tuple[CommOp, int] | None = None  # the last reduce-scatter and its unit's gradients (GPU)
+        self.t = 0.0
+        self._reset_step()
+
+    # -------------------------------------------------------------- bookkeeping
+    def _reset_step(self) -> None:
+        self.step_start = self.t
+        self.exposed = self.host_copy = self.ag_cost = self.rs_cost = 0.0
+        self.n_ag = 0
+        self.spans: list[Span] = []
+        self.ops: list[CommOp] = []
+        self.mem = MemoryLog()
+
+    def _compute(self, seconds: float, kind: str, unit: str) -> None:
+        if seconds > 0:
+            end = self.engine.compute(seconds)  # longer than ``seconds`` under host contention
+            self.spans.append(Span("compute", kind, unit, self.t, end))
+            self.t = end
+
+    def _wait(self, op: CommOp, until: str = "end") -> None:
+        end = self.engine.finish(op) if until == "end" else self.engine.started(op)
+        if end > self.t:
+            self.spans.append(Span("compute", f"wait_{op.kind}", op.unit, self.t, end))
+            self.exposed += end - self.t
+            self.t = end
+
+    def _issue(self, kind: str, name: str, phases: list) -> CommOp:
+        """Issue a collective now; with peers, its collective phases wait until every rank issued it."""
+        n = len(self.issues)
+        self.issues.append(self.t)
+        ready = self.t
+        if self.peer_issues is not None and n < len(self.peer_issues):
+            ready = max(ready, self.peer_issues[n])
+        done_after = self.peer_ends[n] if self.peer_ends is not None and n < len(self.peer_ends) else -math.inf
+        stream = "comm" if self.options.shared_comm_stream else kind
+        op = CommOp(stream, kind, name, self.t, phases, ready=ready, done_after=done_after)
+        self.engine.issue(op)
+        self.ops.append(op)
+        self.all_ops.append(op)
+        return op
+
+    def _collective_phases(self, kind: str, cost: float) -> list:
+        latency = min(cost, self.link.latency_s(self.W, kind))
+        return [[latency, False, True], [cost - latency, True, True]]
+
+    # -------------------------------------------------------------- unshard / reshard (ShardState)
+    def unshard(self, name: str) -> None:
+        """Issue the unit's all-gather (copy-in first) unless it is unsharding or unsharded."""
+        st = self.states[name]
+        if st.shard is not ShardState.SHARDED:
+            return
+        nbytes = st.unit.unsharded_bytes(self.W)
+        copy_s = nbytes / self.W / self.copy_bandwidth if self.copy_bandwidth else 0.0  # this rank's shard
+        phases = []
+        if copy_s and self.options.host_blocking:
+            self._compute(copy_s, "copy_in", name)
+            self.host_copy += copy_s
+        elif copy_s:
+            phases.append([copy_s, False, False])
+        st.unsharded_mem = self.mem.alloc(self.t, nbytes)
+        cost = self.link.all_gather_s(nbytes, self.W)
+        st.op = self._issue("all_gather", name, phases + self._collective_phases("all_gather", cost))
+        st.shard = ShardState.UNSHARDING
+        self.ag_cost += cost
+        self.n_ag += 1
+
+    def wait_unshard(self, name: str) -> None:
+        """Wait for the unit's all-gather (issuing it if none is in flight)."""
+        st = self.states[name]
+        if st.shard is ShardState.SHARDED:
+            self.unshard(name)
+        if st.shard is ShardState.UNSHARDING:
+            self._wait(st.op)
+            st.op = None
+            st.shard = ShardState.UNSHARDED
+        self.prefetched.discard(name)
+
+    def reshard(self, name: str) -> None:
+        """Free the unit's unsharded parameters (waiting first for an all-gather in flight)."""
+        st = self.states[name]
+        if st.shard is ShardState.UNSHARDING:
+            self.wait_unshard(name)
+        if st.shard is ShardState.UNSHARDED:
+            self.mem.free(self.t, st.unsharded_mem)
+        st.shard = ShardState.SHARDED
+        self.prefetched.discard(name)
+
+    def prefetch(self, targets: Iterable[str]) -> None:
+        """Unshard the targets still sharded that the policy admits."""
+        candidates = [t for t in targets if self.states[t].shard is ShardState.SHARDED]
+        for target in self.policy.admit(candidates, len(self.prefetched)):
+            self.unshard(target)
+            self.prefetched.add(target)
+
+    # -------------------------------------------------------------- gradients
+    def reduce_grads(self, name: str) -> None:
+        """Issue the unit's reduce-scatter, then finish the reductions issued before it."""
+        unit, grads_mem = self.states[name].unit, self.states[name].grads_mem
+        if self.options.host_blocking:
+            self.mem.free(self.t, grads_mem)  # packed on the host thread: the gradients are gone
+        elif self.held is not None:
+            # hold_until_passed: the compute stream waits for the previous unit's pack (the start of
+            # its reduce-scatter, the pack taking no time here) and drops that unit's gradients.
+            prev_op, prev_grads = self.held
+            self._wait(prev_op, until="start")
+            self.mem.free(self.t, prev_grads)
+        nbytes = unit.reduce_bytes_total(self.W)
+        cost = self.link.reduce_scatter_s(nbytes, self.W)
+        op = self._issue("reduce_scatter", name, self._collective_phases("reduce_scatter", cost))
+        self.rs_cost += cost
+        if not self.options.host_blocking:
+            self.held = (op, grads_mem)
+        buffers = self.mem.alloc(self.t, nbytes + nbytes // self.W)  # packed input + reduced shard
+        self.finish_pending()
+        self.pending.append((op, buffers))
+
+    def finish_pending(self) -> None:
+        """Finish the reductions issued so far: on a CPU host the thread blocks on each; on a GPU
+        only the reduce-scatter stream is ordered, and the buffers go back to the caching allocator
+        (reused in stream order by the next pack)."""
+        pending, self.pending = self.pending, []
+        for op, buffers in pending:
+            if self.options.host_blocking:
+                self._wait(op)
+            self.mem.free(self.t, buffers)
+
+    # -------------------------------------------------------------- the runtime's hooks (TrainingState)
+    def pre_forward(self, name: str) -> None:
+        """A unit's forward starts: record it, wait for its parameters, prefetch."""
+        self.states[name].training = TrainingState.FORWARD
+        self.order.record(name)
+        self.wait_unshard(name)
+        self.prefetch(self.policy.forward_targets(name, self.order, self.fwd_lists.get(name)))
+
+    def post_forward(self, name: str) -> None:
+        """A unit's forward ends: reshard it unless it is the root or kept for the backward."""
+        self.order.record_post_forward(name)
+        if (name != self.model.root.name and self.options.reshard_after_forward
+                and not self.policy.keep_for_backward(name, self.order)):
+            self.reshard(name)
+        self.states[name].training = TrainingState.IDLE
+
+    def pre_backward(self, name: str) -> None:
+        """A unit's backward starts: wait for its parameters, prefetch, allocate its gradients."""
+        st = self.states[name]
+        st.training = TrainingState.PRE_BACKWARD
+        self.order.record_pre_backward(name)
+        self.wait_unshard(name)
+        self.prefetch(self.policy.backward_targets(name, self.order, self.bwd_lists.get(name)))
+        st.grads_mem = self.mem.alloc(self.t, st.unit.unsharded_bytes(self.W))
+
+    def post_backward(self, name: str) -> None:
+        """A unit's gradients are ready: reduce them, then reshard."""
+        self.reduce_grads(name)
+        self.states[name].training = TrainingState.POST_BACKWARD
+        self.reshard(name)
+
+    def final_callback(self) -> None:
+        """The end of the backward: pending post-backwards, unused prefetches, every reduce-scatter."""
+        for name, st in self.states.items():
+            if st.training is TrainingState.PRE_BACKWARD:
+                self.post_backward(name)
+        for name in list(self.prefetched):
+            self.reshard(name)
+        self.finish_pending()
+        for op in self.ops:  # wait_for_reduce_scatter: the compute stream waits for the whole stream
+            if op.kind == "reduce_scatter":
+                self._wait(op)
+        if self.held is not None:  # release_held
+            self.mem.free(self.t, self.held[1])
+            self.held = None
+        for st in self.states.values():
+            st.training = TrainingState.IDLE
+
+    # -------------------------------------------------------------- one step
+    def step(self) -> None:
+        """One training step: forward, loss, backward, final callback, optimizer step."""
+        model, root = self.model, self.model.root
+        # root pre-forward: finish the last step's reductions, start a new step
+        self.finish_pending()
+        self.order.start_step()
+        self._reset_step()
+        self.pre_forward(root.name)
+        self._compute(root.forward_s * model.root_forward_before, "forward", root.name)
+        for block in model.blocks:
+            self.pre_forward(block.name)
+            self._compute(block.forward_s, "forward", block.name)
+            self.post_forward(block.name)
+        self._compute(root.forward_s * (1 - model.root_forward_before), "forward", root.name)
+        self.post_forward(root.name)
+        self._compute(model.loss_s, "loss", "")
+        self.pre_backward(root.name)
+        self._compute(root.backward_s * (1 - model.root_backward_after), "backward", root.name)
+        for block in reversed(model.blocks):
+            self.pre_backward(block.name)
+            self._compute(block.backward_s, "backward", block.name)
+            self.post_backward(block.name)
+        self._compute(root.backward_s * model.root_backward_after, "backward", root.name)
+        self.final_callback()
+        self._compute(model.optimizer_s, "optimizer", "")
+        self.engine.drain()
+
+    # -------------------------------------------------------------- results
+    def peak_step_bytes(self) -> int:
+        """The most bytes the last step held at once beyond the sharded state."""
+        return self.mem.peak()
+
+    def comm_busy(self) -> float:
+        """Per collective kind, the union of [issue, end] of the step's ops; summed over kinds."""
+        return sum(union_length((op.issue, op.end) for op in self.ops if op.kind == kind) for kind in COLLECTIVES)
+
+    def timeline(self) -> list[Span]:
+        """The last step's spans, compute and collectives, from the step's start."""
+        t0 = self.step_start
+        spans = [Span(s.stream, s.kind, s.unit, s.start - t0, s.end - t0) for s in self.spans]
+        spans += [Span(op.stream, op.kind, op.unit, op.start - t0, op.end - t0) for op in self.ops]
+        return sorted(spans, key=lambda s: (s.start, s.stream))
