@@ -305,7 +305,8 @@ class Llama(nn.Module):
         Radford et al. 2019); RMSNorm weights are ones; rotary tables are recomputed. Values are
         drawn on the CPU from a generator seeded with `seed`, then copied to each parameter's
         device, so a model built on the meta device and `to_empty`'d gets the same weights (the
-        tied output projection is re-tied first). Call it before sharding.
+        tied output projection is re-tied first). Call it before sharding, or after ``fully_shard``
+        and ``to_empty`` (flashfsdp's init window gives the same values).
         """
         self.tie_weights()
         gen = torch.Generator(device="cpu").manual_seed(seed)

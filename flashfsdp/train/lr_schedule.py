@@ -1,4 +1,4 @@
-"""Learning-rate schedule of `flashfsdp.train`: linear warm-up, then cosine decay to a floor.
+"""Learning-rate schedule of `flashfsdp-train`: linear warm-up, then cosine decay to a floor.
 
 A pure function of the step, so a resumed run (at any world size) follows the same schedule
 without saving scheduler state. The shape is the one of Loshchilov & Hutter 2017 (SGDR, one

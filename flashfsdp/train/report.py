@@ -1,4 +1,4 @@
-"""What `flashfsdp.train` shows and writes on rank 0: progress bar, metrics, summary, plot, samples.
+"""What `flashfsdp-train` shows and writes on rank 0: progress bar, metrics, summary, plot, samples.
 
 Run directory files: `metrics.jsonl` (one JSON object per training step or validation),
 `summary.json`, `loss.png` (train/validation loss curves) and `samples.txt`.
@@ -9,23 +9,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import sys
 
-import torch
 from tqdm import tqdm
+
+from flashfsdp.runtime.memory import PeakMemoryMeter
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PLOT = "loss.png"
 SAMPLES = "samples.txt"
-
-
-def memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank so far: CUDA `max_memory_allocated`, or the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def format_bytes(n: float) -> str:
@@ -62,12 +55,12 @@ class Progress:
             with open(self.path, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
 
-    def step(self, record: dict, device: torch.device) -> None:
-        """Log a training step and advance the bar with loss, tokens/s, step time and memory."""
+    def step(self, record: dict, memory: PeakMemoryMeter) -> None:
+        """Log a training step and advance the bar with loss, tokens/s, step time and peak memory."""
         self.log(record)
         self.postfix.update(loss=f"{record['train_loss']:.3f}", lr=f"{record['lr']:.1e}",
                             tok_s=f"{record['tokens_per_s']:.0f}", ms=f"{record['step_ms']:.0f}",
-                            mem=format_bytes(memory_bytes(device)))
+                            mem=format_bytes(memory.peak_bytes(sync=False)))
         self.bar.set_postfix(self.postfix, refresh=False)
         self.bar.update(1)
 
@@ -83,6 +76,7 @@ class Progress:
             self.bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
+        """Close the bar (records can still be logged afterwards)."""
         self.bar.close()
 
 

@@ -1,4 +1,4 @@
-"""Byte-level text corpus and the deterministic per-rank batch sampler of `flashfsdp.train`.
+"""Byte-level text corpus and the deterministic per-rank batch sampler of `flashfsdp-train`.
 
 Tokens are raw UTF-8 bytes (vocabulary 256). The default corpus is the Python standard library's
 own `.py` sources, found through `sysconfig` (real text, ~10 MB, present wherever Python is).
@@ -134,17 +134,7 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.05, seed: int =
         if n_val >= len(text):
             raise CorpusError(f"--data {source}: {len(text)} byte(s) is too little text to split")
         return Corpus(_to_tensor([text[:-n_val]]), _to_tensor([text[-n_val:]]), 1, 1, source)
-    order = list(range(len(texts)))
-    random.Random(seed).shuffle(order)
-    target = val_fraction * sum(map(len, texts))
-    val_ids, val_bytes = [], 0
-    for i in order[:-1]:
-        if val_bytes >= target:
-            break
-        val_ids.append(i)
-        val_bytes += len(texts[i])
-    val_set = set(val_ids)
-    train_ids = [i for i in order if i not in val_set]
+    train_ids, val_ids = _split_files([len(t) for t in texts], val_fraction, seed)
     return Corpus(
         train=_to_tensor([texts[i] for i in train_ids]),
         val=_to_tensor([texts[i] for i in val_ids]),
@@ -152,6 +142,22 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.05, seed: int =
         val_files=len(val_ids),
         source=source,
     )
+
+
+def _split_files(sizes: list[int], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, validation) file indices: the files shuffled by ``random.Random(seed)``, whole files
+    to validation until it holds ``val_fraction`` of the bytes (at least one file, never all)."""
+    order = list(range(len(sizes)))
+    random.Random(seed).shuffle(order)
+    target = val_fraction * sum(sizes)
+    val_ids, val_bytes = [], 0
+    for i in order[:-1]:
+        if val_bytes >= target:
+            break
+        val_ids.append(i)
+        val_bytes += sizes[i]
+    val_set = set(val_ids)
+    return [i for i in order if i not in val_set], val_ids
 
 
 def unigram_entropy(data: torch.Tensor) -> float:

@@ -6,15 +6,15 @@ bad input costs no worker start-up, no traceback and no partial run directory.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 
 import torch
 
-from flashfsdp.data import Corpus, CorpusError, ShardedBatchSampler, load_corpus
 from flashfsdp.models import LlamaConfig
-from flashfsdp.train_args import UsageError
-from flashfsdp.train_sharding import latest_checkpoint
+from flashfsdp.train.checkpoints import checkpoints_dir, latest_checkpoint
+from flashfsdp.train.config import TrainConfig, UsageError
+from flashfsdp.train.data import Corpus, CorpusError, ShardedBatchSampler, load_corpus
 
 GiB = 2**30
 # fp32 master weight + fp32 gradient + AdamW's two fp32 moments, per parameter.
@@ -26,19 +26,6 @@ STATE_BYTES_PER_PARAM = 16
 ACTIVATION_ELEMENTS_PER_TOKEN_PER_DIM = 17
 # Memory a check may plan to use: the rest is left to the allocator, the runtime and the OS.
 USABLE_FRACTION = 0.9
-
-
-def resolve_device(requested: str) -> str:
-    """"cpu" or "cuda" for --device auto|cpu|cuda.
-
-    Raises:
-        UsageError: --device cuda on a machine without a usable CUDA device.
-    """
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available; use --device cpu")
-    return requested
 
 
 def check_nproc(nproc: int | None, device_type: str) -> int:
@@ -60,31 +47,47 @@ def check_nproc(nproc: int | None, device_type: str) -> int:
     return nproc
 
 
-def check_batch(args: argparse.Namespace, world_size: int) -> None:
+def check_batch(batch_size: int, grad_accum: int, world_size: int) -> None:
     """The global batch must split evenly over ranks and micro-batches.
+
+    Args:
+        batch_size: global batch in sequences (--batch-size).
+        grad_accum: micro-batches per step (--grad-accum).
+        world_size: number of ranks.
 
     Raises:
         UsageError: --batch-size not a multiple of world_size · --grad-accum.
     """
-    parts = world_size * args.grad_accum
-    if args.batch_size % parts:
+    parts = world_size * grad_accum
+    if batch_size % parts:
         raise UsageError(
-            f"--batch-size {args.batch_size} does not split over {world_size} rank(s) x "
-            f"--grad-accum {args.grad_accum}; use a multiple of {parts}"
+            f"--batch-size {batch_size} does not split over {world_size} rank(s) x "
+            f"--grad-accum {grad_accum}; use a multiple of {parts}"
         )
 
 
-def check_data(args: argparse.Namespace, seq_len: int, world_size: int) -> Corpus:
+def check_data(path: str | None, seed: int, seq_len: int, batch_size: int,
+               world_size: int) -> Corpus:
     """Load the corpus and check that both splits hold a global batch of windows.
+
+    Args:
+        path: --data (a text file or directory), or None for the standard library.
+        seed: the split and data-order seed (--seed).
+        seq_len: training sequence length in bytes.
+        batch_size: global batch in sequences (--batch-size).
+        world_size: number of ranks.
+
+    Returns:
+        The loaded corpus.
 
     Raises:
         UsageError: missing --data path, empty corpus, or too little text for the batch.
     """
     try:
-        corpus = load_corpus(args.data, seed=args.seed)
+        corpus = load_corpus(path, seed=seed)
         for split, data in (("training", corpus.train), ("validation", corpus.val)):
             try:
-                ShardedBatchSampler(data.numel(), seq_len, args.batch_size, world_size)
+                ShardedBatchSampler(data.numel(), seq_len, batch_size, world_size)
             except CorpusError as err:
                 raise CorpusError(f"{split} split of {corpus.source}: {err}") from None
     except CorpusError as err:
@@ -122,44 +125,56 @@ def estimate_bytes_per_rank(cfg: LlamaConfig, world_size: int, micro_batch: int,
                             param_bytes: int) -> int:
     """A rough peak-memory estimate of one rank, in bytes.
 
-    The larger of: the full fp32 model each rank builds before sharding (4·P), and training:
+    The larger of: initialisation, where the model is built on the meta device and each rank
+    materialises only its shards while `init_weights` draws one full fp32 parameter at a time
+    (plus a full temporary of it: 8 bytes per element of the largest parameter), and training:
     16·P/W of sharded state, two blocks' unsharded parameters and gradients in the compute dtype
     (the current and the prefetched unit), activations, and the logits with their fp32 copies.
+
+    Args:
+        cfg: the model's shape (P = `cfg.num_params()`).
+        world_size: number of ranks W.
+        micro_batch: sequences per micro-batch on one rank.
+        seq_len: tokens per sequence.
+        param_bytes: bytes per element of the compute dtype (2 for bf16, 4 for fp32).
     """
     params = cfg.num_params()
     block = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    largest = max(cfg.vocab_size * cfg.dim, cfg.dim * cfg.ffn_dim, cfg.dim * cfg.dim)
     tokens = micro_batch * seq_len
     state = STATE_BYTES_PER_PARAM * params // world_size
     gathered = 2 * 2 * block * param_bytes
     activations = tokens * cfg.n_layers * cfg.dim * ACTIVATION_ELEMENTS_PER_TOKEN_PER_DIM * param_bytes
     logits = tokens * cfg.vocab_size * (param_bytes + 8)
-    return max(4 * params, state + gathered + activations + logits)
+    return max(4 * params // world_size + 8 * largest, state + gathered + activations + logits)
 
 
-def check_fit(args: argparse.Namespace, cfg: LlamaConfig, world_size: int, local_world: int,
-              device_type: str) -> None:
+def check_fit(config: TrainConfig, world_size: int, local_world: int) -> None:
     """Refuse a model that cannot fit: on CPU all local ranks share the host's memory, on CUDA
     each rank has one GPU.
 
+    Args:
+        config: the run's config (model, batch, micro-batches, compute dtype, device).
+        world_size: number of ranks.
+        local_world: ranks on this host.
+
     Raises:
         UsageError: the estimate exceeds `USABLE_FRACTION` of the available memory; the message
-            names the preset and suggests a smaller one, more ranks, or a smaller batch.
+            names the model options and suggests a smaller one, more ranks, or a smaller batch.
     """
-    micro_batch = args.batch_size // (world_size * args.grad_accum)
-    param_bytes = 2 if args.param_dtype == "bf16" else 4
+    cfg = config.model
+    micro_batch = config.batch_size // (world_size * config.grad_accum)
+    param_bytes = 2 if config.param_dtype == "bf16" else 4
     need = estimate_bytes_per_rank(cfg, world_size, micro_batch, cfg.max_seq_len, param_bytes)
-    have = available_memory(device_type)
-    model = f"--preset {args.preset}" + "".join(
-        f" --{k} {v}" for k, v in (("layers", args.layers), ("dim", args.dim), ("heads", args.heads),
-                                   ("seq-len", args.seq_len)) if v is not None)
-    size = f"{model} ({cfg.num_params() / 1e6:.0f}M parameters)"
-    if device_type == "cpu" and need * local_world > USABLE_FRACTION * have:
+    have = available_memory(config.device)
+    size = f"{config.model_flags} ({cfg.num_params() / 1e6:.0f}M parameters)"
+    if config.device == "cpu" and need * local_world > USABLE_FRACTION * have:
         raise UsageError(
             f"{size} needs about {need * local_world / GiB:.1f} GiB on this host for "
             f"{local_world} rank(s) but {have / GiB:.1f} GiB is free; use a smaller --preset, "
             "--batch-size or --seq-len, or a machine with more memory"
         )
-    if device_type == "cuda" and need > USABLE_FRACTION * have:
+    if config.device == "cuda" and need > USABLE_FRACTION * have:
         raise UsageError(
             f"{size} needs about {need / GiB:.1f} GiB per GPU at {world_size} rank(s) but a GPU "
             f"has {have / GiB:.1f} GiB; use more ranks (--nproc, or torchrun over more nodes), "
@@ -167,23 +182,53 @@ def check_fit(args: argparse.Namespace, cfg: LlamaConfig, world_size: int, local
         )
 
 
-def check_out(args: argparse.Namespace) -> str | None:
+def check_out(out: str, resume: bool) -> str | None:
     """The checkpoint to resume from (None for a fresh run).
+
+    Args:
+        out: the run directory (--out).
+        resume: --resume was given.
 
     Raises:
         UsageError: --resume with no checkpoint in --out, or a fresh run whose --out already holds
             checkpoints (it would mix two runs).
     """
-    directory = os.path.join(args.out, "checkpoints")
-    found = latest_checkpoint(args.out)
-    if args.resume and found is None:
+    found = latest_checkpoint(out)
+    if resume and found is None:
         raise UsageError(
-            f"--resume: no checkpoint in {directory}; start without --resume, or point --out at "
-            "the directory of a run that saved one"
+            f"--resume: no checkpoint in {checkpoints_dir(out)}; start without --resume, or point "
+            "--out at the directory of a run that saved one"
         )
-    if not args.resume and found is not None:
+    if not resume and found is not None:
         raise UsageError(
-            f"--out {args.out} already holds checkpoints; add --resume to continue that run, or "
+            f"--out {out} already holds checkpoints; add --resume to continue that run, or "
             "choose another --out"
         )
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What the checks found: the loaded corpus and the checkpoint to resume from (or None)."""
+
+    corpus: Corpus
+    resume_from: str | None
+
+
+def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
+    """All the checks that need no process group, in order: batch split, memory fit, data, run
+    directory.
+
+    Args:
+        config: the run's config.
+        world_size: number of ranks of the job.
+        local_world: ranks on this host.
+
+    Raises:
+        UsageError: the first check that fails.
+    """
+    check_batch(config.batch_size, config.grad_accum, world_size)
+    check_fit(config, world_size, local_world)
+    corpus = check_data(config.data, config.seed, config.model.max_seq_len, config.batch_size,
+                        world_size)
+    return Inputs(corpus, check_out(config.out, config.resume))

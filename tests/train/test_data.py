@@ -1,4 +1,4 @@
-"""The byte corpus and batch sampler of `flashfsdp.data`, and the learning-rate schedule."""
+"""The byte corpus and batch sampler of `flashfsdp.train.data`, and the learning-rate schedule."""
 
 import math
 import os
@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from flashfsdp.data import (CorpusError, ShardedBatchSampler, default_corpus_files, load_corpus,
-                            unigram_entropy)
-from flashfsdp.lr_schedule import lr_at
+from flashfsdp.train.data import (CorpusError, ShardedBatchSampler, default_corpus_files,
+                                  load_corpus, unigram_entropy)
+from flashfsdp.train.lr_schedule import lr_at
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,25 @@
+"""`flashfsdp-train`: train a byte-level Llama-style language model, sharded with flashfsdp.
+
+    flashfsdp-train --preset tiny --steps 300            # 2 CPU workers, Python stdlib corpus
+    flashfsdp-train --preset 1b --data corpus/ --out runs/1b
+    flashfsdp-train --out runs/1b --resume --nproc 4     # continue at another number of ranks
+    torchrun --nproc-per-node 8 -m flashfsdp.train --preset 1b
+
+An application built on the library, one concern per module, each setting flowing one way from
+the command line to the runtime:
+
+- `cli`: the entry point `main`: config, checks, then launch the workers or train as one;
+- `config`: the command line, training presets and the frozen `TrainConfig` built once from it;
+- `checks`: what is refused before any worker starts (batch split, memory fit, data, run dir);
+- `launch`: starting the workers (torch elastic), joining the process group, Ctrl-C;
+- `trainer`: `Trainer` (train_step, evaluate, save, train) and `run_worker`, one rank's job;
+- `sharding`: the meta-device build, sharding and gradient clipping through flashfsdp;
+- `checkpoints`: the run directory's checkpoints: naming, finding, saving, rotation;
+- `data`: the byte corpus and the deterministic per-rank batch sampler;
+- `lr_schedule`: warm-up then cosine decay, a pure function of the step;
+- `report`: progress bar, metrics, summary, loss plot and samples on rank 0.
+"""
+
+from flashfsdp.train.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,315 @@
+"""The configuration of a `flashfsdp-train` run: the command line, training presets, `TrainConfig`.
+
+`TrainConfig.from_argv` parses the command line (argparse) once and returns a typed, frozen
+`TrainConfig`; every other module of `flashfsdp.train` receives that config (or the fields it
+needs), never the argparse namespace. Options left unset on the command line are filled from
+`PRESET_TRAINING` (and, on `--resume`, from the run's saved `run.json`, so a resumed run keeps
+its model, data order and learning-rate schedule whatever the number of ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+from flashfsdp.models import PRESETS, LlamaConfig, config_from_preset
+
+PROG = "flashfsdp-train"
+RUN_CONFIG = "run.json"
+
+# Training defaults per preset: steps, global batch (sequences), peak learning rate, warm-up
+# (at most a tenth of --steps). The model architecture of each preset is `flashfsdp.models.PRESETS`.
+PRESET_TRAINING = {
+    "tiny": dict(steps=200, batch_size=32, lr=3e-3, warmup=20),
+    "small": dict(steps=2000, batch_size=32, lr=1e-3, warmup=100),
+    "1b": dict(steps=5000, batch_size=16, lr=3e-4, warmup=200),
+}
+
+# Options that fix the model, the data order and the learning-rate schedule: on --resume they
+# come from the run's saved config (an explicit different value is ignored with a warning).
+RESUME_FIXED = ("preset", "layers", "dim", "heads", "seq_len", "data", "seed", "batch_size",
+                "lr", "min_lr", "warmup", "decay_steps", "weight_decay", "max_grad_norm")
+
+# Options that must be positive integers.
+_POSITIVE = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "save_every")
+DTYPE_NAMES = ("bf16", "fp32")
+
+
+class UsageError(Exception):
+    """Bad command-line input: the message names the option and the fix (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block); exit code 2."""
+
+    def error(self, message: str):
+        """Exit with code 2 and `prog: error: message (see --help)` on stderr."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `flashfsdp-train` argument parser (defaults of None are filled by `TrainConfig`)."""
+    p = _Parser(
+        prog=PROG,
+        description="Train a byte-level Llama-style language model sharded with flashfsdp.",
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="model size (default: tiny)")
+    model.add_argument("--layers", type=int, help="override the preset's number of blocks")
+    model.add_argument("--dim", type=int, help="override the preset's model width")
+    model.add_argument("--heads", type=int, help="override the preset's attention heads")
+    model.add_argument("--seq-len", type=int, help="training sequence length in bytes")
+
+    data = p.add_argument_group("data")
+    data.add_argument("--data", metavar="PATH",
+                      help="a text file or a directory of text files (default: the Python "
+                           "standard library's .py sources)")
+    data.add_argument("--seed", type=int, default=None, help="model init and data order (default 0)")
+
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--steps", type=int, help="optimizer steps to reach (preset default)")
+    opt.add_argument("--batch-size", type=int, help="global batch in sequences, over all ranks")
+    opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
+    opt.add_argument("--lr", type=float, help="peak learning rate (preset default)")
+    opt.add_argument("--min-lr", type=float, help="final learning rate (default lr/10)")
+    opt.add_argument("--warmup", type=int, help="linear warm-up steps (preset default)")
+    opt.add_argument("--weight-decay", type=float, default=None, help="AdamW decay (default 0.1)")
+    opt.add_argument("--max-grad-norm", type=float, default=None,
+                     help="clip the global gradient norm (default 1.0; 0 disables)")
+    opt.add_argument("--param-dtype", choices=DTYPE_NAMES,
+                     help="compute dtype of unsharded parameters (default bf16 on CUDA, fp32 on CPU)")
+    opt.add_argument("--reduce-dtype", choices=DTYPE_NAMES, default="fp32",
+                     help="dtype of gradient reduce-scatter (default fp32)")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--out", metavar="DIR", help="run directory (default runs/<preset>-<time>)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the last checkpoint in --out (any number of ranks)")
+    run.add_argument("--eval-every", type=int, help="validation every N steps (default steps/10)")
+    run.add_argument("--eval-batches", type=int, default=4,
+                     help="global batches per validation (default 4)")
+    run.add_argument("--save-every", type=int,
+                     help="checkpoint every N steps (default steps/4); one is always saved at the end")
+    run.add_argument("--keep-checkpoints", type=int, default=2,
+                     help="newest checkpoints kept in --out (default 2; 0 keeps all)")
+    run.add_argument("--nproc", type=int,
+                     help="local workers when started plainly (default 2 on CPU, every GPU on CUDA)")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    run.add_argument("--prompt", default="def ", help="prompt for the final samples")
+    run.add_argument("--sample-tokens", type=int, default=200,
+                     help="bytes sampled per continuation at the end (0: no samples)")
+    return p
+
+
+def resolve_device(requested: str) -> str:
+    """"cpu" or "cuda" for --device auto|cpu|cuda.
+
+    Raises:
+        UsageError: --device cuda on a machine without a usable CUDA device.
+    """
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available; use --device cpu")
+    return requested
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of one `flashfsdp-train` run, resolved (no option left unset but the model
+    overrides). Built once by `from_argv`; saved as `<out>/run.json` by `save`.
+
+    Attributes (command-line option in brackets):
+        preset: model size, a key of `flashfsdp.models.PRESETS` [--preset].
+        layers, dim, heads, seq_len: overrides of the preset's blocks, width, attention heads and
+            sequence length in bytes, or None for the preset's [--layers --dim --heads --seq-len].
+        data: absolute path of a text file or directory, or None for the standard library [--data].
+        seed: model init and data order [--seed].
+        steps: optimizer steps to reach [--steps].
+        batch_size: global batch in sequences, over all ranks [--batch-size].
+        grad_accum: micro-batches per step [--grad-accum].
+        lr, min_lr: peak and final learning rate [--lr --min-lr].
+        warmup: linear warm-up steps [--warmup].
+        decay_steps: step at which the cosine decay reaches min_lr (the first run's --steps).
+        weight_decay: AdamW decay of the matrices [--weight-decay].
+        max_grad_norm: global gradient-norm clip; 0 only measures it [--max-grad-norm].
+        param_dtype, reduce_dtype: "bf16" or "fp32": compute dtype of unsharded parameters and
+            dtype of the gradient reduce-scatter [--param-dtype --reduce-dtype].
+        out: absolute path of the run directory [--out].
+        resume: continue from the newest checkpoint in `out` [--resume].
+        eval_every, eval_batches: validation period in steps, global batches per validation.
+        save_every: checkpoint period in steps [--save-every].
+        keep_checkpoints: newest checkpoints kept; 0 keeps all [--keep-checkpoints].
+        nproc: local workers when started plainly, or None for the default [--nproc].
+        device: "cpu" or "cuda" (resolved from --device auto|cpu|cuda).
+        prompt, sample_tokens: prompt and bytes per continuation of the final samples.
+
+    Raises:
+        UsageError: a non-positive size, a learning rate out of range, an unknown preset or
+            dtype, or model overrides that make an invalid model (the message names the option).
+    """
+
+    preset: str
+    layers: int | None
+    dim: int | None
+    heads: int | None
+    seq_len: int | None
+    data: str | None
+    seed: int
+    steps: int
+    batch_size: int
+    grad_accum: int
+    lr: float
+    min_lr: float
+    warmup: int
+    decay_steps: int
+    weight_decay: float
+    max_grad_norm: float
+    param_dtype: str
+    reduce_dtype: str
+    out: str
+    resume: bool
+    eval_every: int
+    eval_batches: int
+    save_every: int
+    keep_checkpoints: int
+    nproc: int | None
+    device: str
+    prompt: str
+    sample_tokens: int
+
+    def __post_init__(self) -> None:
+        _check_preset(self.preset)
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPE_NAMES:
+                raise UsageError(f"--{name.replace('_', '-')} must be one of {DTYPE_NAMES}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        for name in _POSITIVE:
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
+            raise UsageError(f"--lr must be positive and --min-lr in [0, lr]; got {self.lr}, {self.min_lr}")
+        if self.warmup < 0:
+            raise UsageError(f"--warmup must be non-negative, got {self.warmup}")
+        _ = self.model  # raises UsageError on invalid model overrides
+
+    @property
+    def model(self) -> LlamaConfig:
+        """The `LlamaConfig`: the preset with --layers/--dim/--heads/--seq-len applied.
+
+        Raises:
+            UsageError: the overrides make an invalid model (the message names the fields).
+        """
+        try:
+            return config_from_preset(self.preset, n_layers=self.layers, dim=self.dim,
+                                      n_heads=self.heads, max_seq_len=self.seq_len)
+        except ValueError as err:
+            raise UsageError(f"--layers/--dim/--heads/--seq-len: {err}") from None
+
+    @property
+    def model_flags(self) -> str:
+        """The model options as typed on the command line, e.g. "--preset tiny --layers 2"."""
+        overrides = (("layers", self.layers), ("dim", self.dim), ("heads", self.heads),
+                     ("seq-len", self.seq_len))
+        return f"--preset {self.preset}" + "".join(f" --{k} {v}" for k, v in overrides if v is not None)
+
+    @classmethod
+    def from_argv(cls, argv: list[str], *, warn: bool = True) -> TrainConfig:
+        """Parse the `flashfsdp-train` command line and resolve every unset option.
+
+        Unset options come from the saved run config on --resume, else from the preset's
+        `PRESET_TRAINING` and the documented defaults; --data and --out become absolute paths.
+
+        Args:
+            argv: the arguments after the program name.
+            warn: print a warning on stderr for each explicit option that --resume overrides.
+
+        Raises:
+            SystemExit: (code 2) an unknown option or a malformed value, from argparse.
+            UsageError: --device cuda without CUDA; --resume without --out or without a saved
+                run; any error of `TrainConfig` itself.
+        """
+        values = vars(build_parser().parse_args(argv))
+        values["device"] = resolve_device(values["device"])
+        if values["resume"]:
+            _take_saved(values, warn)
+        _fill_defaults(values)
+        return cls(**values)
+
+    def save(self) -> None:
+        """Write the config to `<out>/run.json` (read back by `--resume`), atomically."""
+        os.makedirs(self.out, exist_ok=True)
+        tmp = os.path.join(self.out, RUN_CONFIG + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(dataclasses.asdict(self), fh, indent=1, sort_keys=True)
+        os.replace(tmp, os.path.join(self.out, RUN_CONFIG))
+
+
+def _check_preset(name: str) -> None:
+    if name not in PRESET_TRAINING:
+        raise UsageError(f"--preset {name!r}: choose one of {', '.join(PRESET_TRAINING)}")
+
+
+def _saved_config(out: str) -> dict:
+    path = os.path.join(out, RUN_CONFIG)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise UsageError(
+            f"--resume: {out} is not a {PROG} run directory (no {RUN_CONFIG}); "
+            "point --out at an earlier run's directory or start without --resume"
+        ) from None
+
+
+def _take_saved(values: dict, warn: bool) -> None:
+    """On --resume: the `RESUME_FIXED` options (and --steps, if unset) from the saved run."""
+    if not values["out"]:
+        raise UsageError("--resume needs --out DIR, the directory of the run to continue")
+    saved = _saved_config(values["out"])
+    for key in RESUME_FIXED:
+        given = values.get(key)
+        if warn and given is not None and given != saved.get(key):
+            print(f"{PROG}: warning: --{key.replace('_', '-')} {given} ignored on "
+                  f"--resume; the run's value {saved.get(key)} is kept", file=sys.stderr)
+        values[key] = saved.get(key)
+    if values["steps"] is None:
+        values["steps"] = saved["steps"]
+
+
+def _fill_defaults(values: dict) -> None:
+    """Fill the options still None from the preset and the documented defaults (in place)."""
+    def default(name, value):
+        """Set `values[name]` to `value` if it is None."""
+        if values.get(name) is None:
+            values[name] = value
+
+    default("preset", "tiny")
+    _check_preset(values["preset"])
+    preset = PRESET_TRAINING[values["preset"]]
+    default("steps", preset["steps"])
+    default("batch_size", preset["batch_size"])
+    default("lr", preset["lr"])
+    default("warmup", min(preset["warmup"], max(1, values["steps"] // 10)))
+    default("seed", 0)
+    default("min_lr", values["lr"] / 10)
+    default("decay_steps", values["steps"])
+    default("weight_decay", 0.1)
+    default("max_grad_norm", 1.0)
+    default("param_dtype", "bf16" if values["device"] == "cuda" else "fp32")
+    default("eval_every", max(1, values["steps"] // 10))
+    default("save_every", max(1, values["steps"] // 4))
+    if values["data"] is not None:
+        values["data"] = os.path.abspath(values["data"])
+    if values["out"] is None:
+        values["out"] = os.path.join("runs", f"{values['preset']}-{time.strftime('%Y%m%d-%H%M%S')}")
+    values["out"] = os.path.abspath(values["out"])

@@ -1,0 +1,307 @@
+"""One worker (rank) of `flashfsdp-train`: the `Trainer` and the sharded training loop.
+
+Every rank builds the model on the meta device, shards it (one unit per block plus the root),
+materialises only its shards and initialises them from the run's seed (or loads a checkpoint
+into them), and steps AdamW on its shards; rank r trains on rows [r·B/W, (r+1)·B/W) of each
+global batch (`flashfsdp.train.data.ShardedBatchSampler`). The learning rate is a pure function
+of the step (`flashfsdp.train.lr_schedule.lr_at`), so a checkpoint plus the step number restores
+data order and schedule at any world size. Ctrl-C: see [Note: interrupts] in
+`flashfsdp.train.launch`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flashfsdp.runtime.memory import PeakMemoryMeter
+from flashfsdp.train import report
+from flashfsdp.train.checkpoints import load_checkpoint, save_checkpoint
+from flashfsdp.train.data import Corpus, ShardedBatchSampler, load_corpus, unigram_entropy
+from flashfsdp.train.launch import StopFlag, init_distributed
+from flashfsdp.train.lr_schedule import lr_at
+from flashfsdp.train.sharding import build_sharded_model, clip_grad_norm, mixed_precision
+
+if TYPE_CHECKING:
+    from flashfsdp.train.config import TrainConfig
+
+SAMPLE_COUNT = 3
+SAMPLE_TEMPERATURE = 0.8
+# Seed offset of the validation windows: fixed, so every evaluation scores the same windows.
+VAL_SEED_OFFSET = 1
+# AdamW's betas and epsilon (as GPT-3 and Llama).
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+# Exit code of a run stopped by Ctrl-C after saving (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
+
+def build_optimizer(model: torch.nn.Module, no_decay: frozenset[str], weight_decay: float,
+                    lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on the parameters not named in `no_decay` (the RMSNorm weights).
+
+    Args:
+        model: the sharded model.
+        no_decay: names (as in `model.named_parameters()`) that take no weight decay.
+        weight_decay: decay of the other parameters.
+        lr: initial learning rate (the trainer sets each step's own).
+    """
+    decay = [p for n, p in model.named_parameters() if n not in no_decay]
+    rest = [p for n, p in model.named_parameters() if n in no_decay]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+
+
+class Trainer:
+    """One rank's training job: the sharded model, its optimizer, data samplers and run state.
+
+    Collective: every rank of the (initialised) process group builds one and calls the same
+    methods in the same order. Construction builds and initialises the model (or loads the
+    checkpoint `resume_from`), and on a fresh run rank 0 writes the run config and clears the
+    report files of an earlier checkpoint-less start.
+
+    Args:
+        config: the run's config.
+        corpus: the byte corpus (`flashfsdp.train.data.load_corpus`).
+        rank, world_size: this rank and the number of ranks.
+        device: this rank's device.
+        stop: the SIGINT flag read at the end of each step (None: never stops early).
+        resume_from: checkpoint to continue from (None: a fresh run initialised from the seed);
+            given exactly when `config.resume`.
+
+    Raises:
+        ValueError: `resume_from` given without `config.resume`, or missing with it.
+
+    Attributes:
+        step: optimizer steps done.
+        train_loss: mean training loss of the last step (nats/byte), or None.
+        val_loss, val_step: the last validation loss and the step it was measured after.
+    """
+
+    def __init__(self, config: TrainConfig, corpus: Corpus, rank: int, world_size: int,
+                 device: torch.device, stop: StopFlag | None = None, resume_from: str | None = None):
+        if config.resume != (resume_from is not None):
+            raise ValueError(
+                f"Trainer: resume_from={resume_from!r} does not match config.resume={config.resume}; "
+                "pass the checkpoint to continue from exactly when resuming "
+                "(flashfsdp.train.checks.check_out finds it)")
+        self._t_start = time.perf_counter()
+        # The rank's peak memory from here on: the model (only shards: built on the meta device),
+        # optimizer state, activations; not the interpreter and torch themselves (on CPU).
+        self.memory = PeakMemoryMeter(device)
+        self.memory.reset()
+        self.config, self.corpus = config, corpus
+        self.rank, self.world_size, self.device, self.stop = rank, world_size, device, stop
+        self.model_config = config.model
+        seq_len = self.model_config.max_seq_len
+        self.unigram = unigram_entropy(corpus.train)
+        self.train_sampler = ShardedBatchSampler(corpus.train.numel(), seq_len, config.batch_size,
+                                                 world_size, rank, config.seed)
+        self.val_sampler = ShardedBatchSampler(corpus.val.numel(), seq_len, config.batch_size,
+                                               world_size, rank, config.seed + VAL_SEED_OFFSET)
+        self.micro_batch = self.train_sampler.local_batch // config.grad_accum
+        self.tokens_per_step = config.batch_size * seq_len
+        self.model, no_decay = build_sharded_model(
+            self.model_config, device, mixed_precision(config.param_dtype, config.reduce_dtype),
+            seed=None if resume_from else config.seed)
+        self.optimizer = build_optimizer(self.model, no_decay, config.weight_decay, config.lr)
+        self.step, self.saved_extra = 0, {}
+        self.resumed = resume_from is not None
+        if self.resumed:
+            state = load_checkpoint(resume_from, self.model, self.optimizer)
+            self.step, self.saved_extra = state["step"], state.get("extra") or {}
+        elif rank == 0:
+            config.save()
+            report.reset(config.out)
+        dist.barrier()
+        self.start_step = self.step
+        self.train_loss = self.saved_extra.get("train_loss")
+        self.val_loss, self.val_step = None, None
+        self.last_saved = self.step if self.resumed else None
+        self.step_times: list[float] = []
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based) on the run's schedule."""
+        c = self.config
+        return lr_at(step, c.lr, c.warmup, c.decay_steps, c.min_lr)
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross-entropy (nats) of int64 (b, T) inputs x and targets y."""
+        logits = self.model(x.to(self.device))
+        return F.cross_entropy(logits.float().flatten(0, 1), y.to(self.device).flatten())
+
+    def train_step(self) -> tuple[dict, bool]:
+        """One optimizer step on this rank's rows of global batch `self.step`, in `grad_accum`
+        micro-batches (gradients reduced after the last one), clipped, then AdamW. The ranks
+        all-reduce the loss together with their stop flags.
+
+        Returns:
+            (the step's metrics record: step, train_loss, lr, grad_norm, step_ms, tokens_per_s,
+            world_size; whether any rank asked to stop).
+        """
+        t0 = time.perf_counter()
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.train_sampler.batch(self.corpus.train, self.step)
+        accum = self.config.grad_accum
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (xs, ys) in enumerate(zip(x.split(self.micro_batch), y.split(self.micro_batch))):
+            self.model.set_requires_gradient_sync(i == accum - 1)
+            loss = self._loss(xs, ys) / accum
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(self.model, self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stop = float(self.stop.requested) if self.stop is not None else 0.0
+        stats = torch.stack((loss_sum.float(), torch.tensor(stop, device=self.device)))
+        dist.all_reduce(stats)  # mean loss for the bar, and the stop flags of all ranks
+        self.step += 1
+        self.train_loss = float(stats[0]) / self.world_size
+        dt = time.perf_counter() - t0
+        self.step_times.append(dt)
+        record = {"step": self.step, "train_loss": self.train_loss, "lr": lr,
+                  "grad_norm": grad_norm, "step_ms": 1000 * dt,
+                  "tokens_per_s": self.tokens_per_step / dt, "world_size": self.world_size}
+        return record, float(stats[1]) > 0
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss (nats/byte) over the same `eval_batches` global batches, all
+        ranks; also recorded as `val_loss` after `step`."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of row losses, rows)
+        for batch in range(self.config.eval_batches):
+            x, y = self.val_sampler.batch(self.corpus.val, batch)
+            for xs, ys in zip(x.split(self.micro_batch), y.split(self.micro_batch)):
+                total[0] += self._loss(xs, ys).double() * xs.shape[0]
+                total[1] += xs.shape[0]
+        dist.all_reduce(total)
+        self.val_loss, self.val_step = float(total[0] / total[1]), self.step
+        return self.val_loss
+
+    def save(self) -> str:
+        """Checkpoint after `step` steps (collective), with the losses and the data and
+        schedule state in its `extra`; keeps the `keep_checkpoints` newest. Returns its path."""
+        c = self.config
+        extra = {"train_loss": self.train_loss,
+                 "val_loss": self.val_loss if self.val_step == self.step else None,
+                 "lr": self.lr_at(max(self.step - 1, 0)), "world_size": self.world_size,
+                 "seed": c.seed, "batch_size": c.batch_size, "next_step": self.step}
+        path = save_checkpoint(c.out, self.model, self.optimizer, self.step, extra,
+                               c.keep_checkpoints, self.rank)
+        self.last_saved = self.step
+        return path
+
+    def sample(self) -> list[str]:
+        """`SAMPLE_COUNT` continuations of the prompt, `sample_tokens` bytes each (collective:
+        every rank runs the same forwards; the same seed gives the same text)."""
+        ids = list(self.config.prompt.encode("utf-8")) or [ord("\n")]
+        start = torch.tensor([ids] * SAMPLE_COUNT, dtype=torch.long, device=self.device)
+        gen = torch.Generator().manual_seed(self.config.seed)
+        out = self.model.generate(start, self.config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
+                                  generator=gen)
+        return [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out.cpu()]
+
+    def train(self) -> int:
+        """Train to `steps` (validating every `eval_every`, saving every `save_every` and at the
+        end), then write the summary, loss plot and samples. The summary's wall time counts
+        from the construction (model build and checkpoint load included).
+
+        Returns:
+            The process exit code: 0, or `EXIT_INTERRUPTED` after a Ctrl-C (the checkpoint of
+            the last step done is saved first).
+        """
+        progress = report.Progress(self.config.out, self.config.steps, self.start_step,
+                                   enabled=self.rank == 0)
+        progress.write(self._header())
+        self.evaluate()
+        if self.resumed:
+            progress.write(f"resumed from step {self.start_step} of {self.config.out}: val loss "
+                           f"{self.val_loss:.4f} (saved: val {self.saved_extra.get('val_loss')}, "
+                           f"train {self.saved_extra.get('train_loss')})")
+        progress.validation(self.step, self.val_loss, resumed=self.resumed,
+                            world_size=self.world_size)
+        try:
+            interrupted = self._run_steps(progress)
+        finally:
+            progress.close()
+        if self.val_step != self.step:
+            progress.validation(self.step, self.evaluate())
+        if self.last_saved != self.step:
+            path = self.save()
+            if self.rank == 0:
+                print(f"flashfsdp-train: checkpoint {path}", flush=True)
+        if interrupted:
+            return EXIT_INTERRUPTED
+        self._finish(time.perf_counter() - self._t_start)
+        return 0
+
+    def _run_steps(self, progress: report.Progress) -> bool:
+        """Steps until `steps` or a stop request; returns True if stopped early."""
+        c = self.config
+        while self.step < c.steps:
+            record, stop = self.train_step()
+            progress.step(record, self.memory)
+            if self.step % c.eval_every == 0 or self.step == c.steps:
+                progress.validation(self.step, self.evaluate())
+            if stop:
+                progress.write(f"interrupted: saving a checkpoint at step {self.step}")
+                return True
+            if self.step % c.save_every == 0 and self.step < c.steps:
+                self.save()
+        return False
+
+    def _header(self) -> str:
+        """The first line of the run: model size, ranks, corpus and unigram baseline."""
+        corpus = self.corpus
+        return (f"flashfsdp-train: {self.model_config.num_params() / 1e6:.2f}M parameters, "
+                f"{self.world_size} rank(s) on {self.device.type}, corpus {corpus.source}: "
+                f"{corpus.train.numel() / 1e6:.1f} MB train ({corpus.train_files} files), "
+                f"{corpus.val.numel() / 1e6:.2f} MB val ({corpus.val_files} files), "
+                f"unigram baseline {self.unigram:.3f} nats/byte")
+
+    def _finish(self, wall_s: float) -> None:
+        """Samples (all ranks), then on rank 0 the summary, loss plot and samples files."""
+        samples = self.sample() if self.config.sample_tokens > 0 else []
+        if self.rank != 0:
+            return
+        out = self.config.out
+        timed = self.step_times[1:] or self.step_times  # the first step includes warm-up costs
+        summary = {
+            "params": self.model_config.num_params(), "world_size": self.world_size,
+            "device": self.device.type, "start_step": self.start_step, "step": self.step,
+            "train_loss": self.train_loss, "val_loss": self.val_loss,
+            "unigram_baseline": self.unigram,
+            "tokens_per_s": self.tokens_per_step * len(timed) / sum(timed) if timed else 0.0,
+            "wall_s": wall_s, "peak_memory_bytes": self.memory.peak_bytes(),
+        }
+        print(report.write_summary(out, summary), flush=True)
+        report.plot_losses(out, self.unigram)
+        if samples:
+            print(report.write_samples(out, self.config.prompt, samples), flush=True)
+
+
+def run_worker(config: TrainConfig, corpus: Corpus | None = None,
+               resume_from: str | None = None) -> int:
+    """Train as one rank of the job torchrun / elastic started; returns the process exit code.
+
+    Args:
+        config: the run's config.
+        corpus: the corpus if already loaded (by the checks), else it is loaded here.
+        resume_from: the checkpoint to continue from (found by the checks), or None.
+    """
+    rank, world_size, device = init_distributed(config.device)
+    stop = StopFlag()
+    if corpus is None:
+        corpus = load_corpus(config.data, seed=config.seed)
+    try:
+        return Trainer(config, corpus, rank, world_size, device, stop, resume_from).train()
+    finally:
+        stop.restore()
+        dist.destroy_process_group()
