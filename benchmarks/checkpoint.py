@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.common import environment, environment_columns, format_table, results_dir, write_csv, write_markdown
+from benchmarks.common import device_setup, environment_columns, format_table, results_dir, write_csv, write_markdown
 from benchmarks.distributed import run_ranks
 from benchmarks.step import _model, _wrap
 from flashfsdp.runtime.memory import PeakMemoryMeter
@@ -281,9 +281,7 @@ def _notes(args, rows: list[dict], backend: str, verdicts: list[str]) -> list[st
 def main(argv=None) -> list[dict]:
     """Run the benchmark (see the module docstring); return the rows written."""
     args = parse_args(argv)
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    env = environment(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    device, env, backend = device_setup(args.device)
     where = tempfile.mkdtemp(prefix="flashfsdp-ckpt-bench-", dir=args.dir)
     rows = []
     try:

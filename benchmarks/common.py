@@ -59,6 +59,12 @@ def slugify(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def device_setup(device_name: str) -> "tuple[torch.device, Environment, str]":
+    """(device, :func:`environment` of it, the process-group backend) for ``--device cuda|cpu``."""
+    device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
+    return device, environment(device), "nccl" if device.type == "cuda" else "gloo"
+
+
 def environment(device: torch.device) -> Environment:
     """Describe ``device`` and the software versions now. CPU results all go to the ``cpu`` folder."""
     try:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from benchmarks.common import (bar_chart, environment, environment_columns, format_table, results_dir, write_csv,
+from benchmarks.common import (bar_chart, device_setup, environment_columns, format_table, results_dir, write_csv,
                                write_markdown)
 from benchmarks.distributed import run_ranks, single_process_group
 from flashfsdp.runtime.memory import PeakMemoryMeter
@@ -244,9 +244,7 @@ def _notes(args, backend: str, memory: str) -> list[str]:
 def main(argv=None) -> list[dict]:
     """Run the benchmark (see the module docstring); return the rows written."""
     args = parse_args(argv)
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    env = environment(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    device, env, backend = device_setup(args.device)
     rows, spans = [], None
     # Systems run in turn, round after round (A B C D A B C D ...), so that a machine whose speed
     # drifts (shared CPU cores) slows every system alike; each figure is the median over rounds.
