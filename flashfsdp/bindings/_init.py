@@ -7,6 +7,7 @@ the one resolved meaning of ``reshard_after_forward``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -218,12 +219,31 @@ def _check_param(param: nn.Parameter, fqn: str, top: nn.Module) -> None:
 
 
 def _managed_by_another_api(module: nn.Module) -> bool:
-    """Whether a torch composable API (``replicate``, torch's own ``fully_shard``) manages ``module``."""
+    """Whether torch's ``replicate`` or torch's own ``fully_shard`` manages ``module`` (then its
+    parameters are not this unit's; composable ``checkpoint`` does not own parameters)."""
     try:
         from torch.distributed._composable.contract import _get_registry  # noqa: PLC0415
-    except ImportError:
+    except ImportError:  # torch built without distributed
         return False
-    return bool(_get_registry(module))
+    registry = _get_registry(module) or {}
+    return "replicate" in registry or "fully_shard" in registry
+
+
+def register_composable(modules: list[nn.Module]) -> None:
+    """Enter ``fully_shard`` in torch's composable-API registry of each module, as torch's own
+    ``fully_shard`` does: torch's ``replicate`` then leaves the unit's parameters alone (it would
+    otherwise take the sharded pieces for replicated parameters and broadcast rank 0's over the
+    others') and refuses to be applied to the same module."""
+    try:
+        from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem  # noqa: PLC0415
+    except ImportError:  # torch built without distributed
+        return
+    for m in modules:
+        registry = getattr(m, REGISTRY_KEY, None)
+        if registry is None:
+            registry = OrderedDict()
+            setattr(m, REGISTRY_KEY, registry)
+        registry["fully_shard"] = RegistryItem()
 
 
 def _left_replicated(param: nn.Parameter) -> bool:

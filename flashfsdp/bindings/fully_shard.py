@@ -124,6 +124,7 @@ def _install(modules, unit: ShardedUnit, collected, mp_policy: MixedPrecisionPol
              target) -> None:
     """Swap the modules' classes to ``FSDP<Class>``, attach the unit's FSDPState and its hooks."""
     _init.mark_taken(collected.params, f"the unit of {unit.name}")
+    _init.register_composable(modules)
     for m in modules:
         cls = m.__class__
         m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})

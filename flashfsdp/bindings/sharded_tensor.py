@@ -229,12 +229,14 @@ class ShardedPiece(torch.Tensor):
 
 
 _LOCAL_OPS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default,
-              torch.ops.aten.copy_.default}
+              torch.ops.aten.copy_.default, torch.ops.aten.full_like.default, torch.ops.aten.zeros_like.default,
+              torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default, torch.ops.aten.rand_like.default,
+              torch.ops.aten.randn_like.default}
 
 
 def _elementwise_on_pieces(func, piece: ShardedPiece, args, kwargs) -> bool:
-    """Whether ``func`` is element-wise (fill/zero/copy or a pointwise op with a tensor result) and
-    every tensor argument is a piece of the same range or a scalar tensor."""
+    """Whether ``func`` is element-wise (fill/zero/copy, a ``*_like`` factory, or a pointwise op with a
+    tensor result) and every tensor argument is a piece of the same range or a scalar tensor."""
     pointwise = torch.Tag.pointwise in func.tags and torch.Tag.data_dependent_output not in func.tags
     if func not in _LOCAL_OPS and not pointwise:
         return False
