@@ -54,10 +54,14 @@ def test_toy_run_writes_every_file_with_every_column(tmp_path):
         assert "| " + " | ".join(columns) in md
     assert f"## Verdict: step within {TARGET_PCT:.0f}%, and against the null model" in md
     assert "Host contention" in md and "measured *without communication*" in md
-    # the verdict table agrees with the rows: one line per configuration and predictor
+    # the verdict table agrees with the rows: one line per configuration and predictor; sim+host only
+    # where that configuration's contention was measurable (a busy machine can leave it unmeasured)
     verdicts = [line for line in md.splitlines() if line.startswith("| compute-bound | sim") or
                 line.startswith("| comm-heavy | sim")]
-    assert len(verdicts) == 2 * 3
+    host_measured = {r["config"] for r in rows if r["host_ms"] == r["host_ms"]}
+    assert len(verdicts) == 2 * 2 + len(host_measured)
+    for config in ("compute-bound", "comm-heavy"):
+        assert (f"| {config} | sim+host |" in md) == (config in host_measured), config
     default = next(r for r in rows if r["config"] == "comm-heavy" and r["schedule"] == "fwd+bwd (default)")
     assert default["null_ms"] < default["sim_ms"]
 
