@@ -175,11 +175,17 @@ class FlashImpl(Impl):
         return hasattr(param, "_flashfsdp_piece")
 
     def local(self, tensor):
+        # Reading a piece's own values ends the init window of a meta-initialised model (inside
+        # it, a sharded parameter acts as its full-shape tensor; see flashfsdp's init_window.py).
+        from flashfsdp.bindings.init_window import close_init_windows  # noqa: PLC0415
+
+        close_init_windows()
         return tensor.detach().reshape(-1)
 
     def shard_of(self, full, param):
         piece = param._flashfsdp_piece
-        return full.detach().reshape(-1)[piece.param_start : piece.param_start + param.numel()]
+        n = self.local(param).numel()  # (param.numel() is the full one inside an init window)
+        return full.detach().reshape(-1)[piece.param_start : piece.param_start + n]
 
     def full(self, tensor, param=None):
         param = tensor if param is None else param
@@ -257,6 +263,60 @@ def average_grads(ref_model: nn.Module) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad)
             p.grad.div_(dist.get_world_size())
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, inp, *, average: bool = False,
+               set_to_none: bool = True) -> torch.Tensor:
+    """One step on ``model(inp).sum()``: ``optim.zero_grad(set_to_none)``, forward, backward,
+    ``optim.step()``; with ``average`` (the replicated reference) the gradients are averaged over
+    the ranks first (:func:`average_grads`). Returns the loss, detached."""
+    optim.zero_grad(set_to_none=set_to_none)
+    loss = model(inp).sum()
+    loss.backward()
+    if average:
+        average_grads(model)
+    optim.step()
+    return loss.detach()
+
+
+def train_parity(impl, ref: nn.Module, model: nn.Module, make_input, steps: int, lr: float = 1e-2, **tol):
+    """Upstream's parity loop: the replicated reference (gradients averaged) vs the sharded model,
+    on ``make_input(step)`` for each of ``steps`` steps: losses equal (``tol``: FP32 unless
+    given), ``check_sharded_parity`` after backward, then an Adam(``lr``) step on both and
+    ``zero_grad()``. Returns the losses."""
+    tol = tol or FP32
+    ref_optim = torch.optim.Adam(ref.parameters(), lr=lr)
+    optim = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for i in range(steps):
+        inp = make_input(i)
+        ref_loss = ref(inp).sum()
+        ref_loss.backward()
+        average_grads(ref)
+        loss = model(inp).sum()
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        impl.check_sharded_parity(ref, model, **tol)
+        ref_optim.step()
+        optim.step()
+        ref_optim.zero_grad(set_to_none=True)
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+def shard_transformer(impl: Impl, model: nn.Module, prepare_block=None, **kwargs) -> int:
+    """fully_shard each ``TransformerBlock`` of ``model`` (``prepare_block(block)`` first, e.g.
+    composable ``checkpoint``), then ``model``, with ``kwargs``; returns the number of blocks."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import TransformerBlock  # noqa: PLC0415
+
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    for block in blocks:
+        if prepare_block is not None:
+            prepare_block(block)
+        impl.fully_shard(block, **kwargs)
+    impl.fully_shard(model, **kwargs)
+    return len(blocks)
 
 
 def broadcast_params(model: nn.Module, src: int = 0) -> None:
