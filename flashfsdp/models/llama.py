@@ -33,6 +33,8 @@ class LlamaConfig:
         n_layers: number of transformer blocks.
         n_heads: attention heads; `dim` must be divisible by it and the head size must be even
             (rotary embeddings rotate pairs of channels).
+        n_kv_heads: key/value heads (grouped-query attention, Ainslie et al. 2023: each serves
+            n_heads / n_kv_heads query heads); None means n_heads (multi-head attention).
         ffn_dim: SwiGLU hidden width; None means `multiple_of`-rounded 8·dim/3 (Llama's rule).
         multiple_of: rounding for the default `ffn_dim`.
         max_seq_len: longest sequence the rotary tables cover (tokens).
@@ -41,7 +43,8 @@ class LlamaConfig:
         tie_embeddings: share one (vocab_size, dim) matrix between `tok_embeddings` and `output`.
 
     Raises:
-        ValueError: on a non-positive size, `dim` not divisible by `n_heads`, or an odd head size.
+        ValueError: on a non-positive size, `dim` not divisible by `n_heads`, an odd head size, or
+            `n_heads` not a multiple of `n_kv_heads`.
     """
 
     vocab_size: int = 256
@@ -54,6 +57,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
+    n_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
@@ -70,6 +74,12 @@ class LlamaConfig:
                 f"LlamaConfig: head size dim/n_heads = {self.head_dim} must be even for rotary "
                 "embeddings; choose another dim or n_heads"
             )
+        if self.n_kv_heads is not None and (
+                not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
+            raise ValueError(
+                f"LlamaConfig: n_kv_heads ({self.n_kv_heads!r}) must be a positive integer dividing n_heads "
+                f"({self.n_heads}); or None for multi-head attention"
+            )
         if self.ffn_dim is None:
             hidden = int(8 * self.dim / 3)
             self.ffn_dim = self.multiple_of * math.ceil(hidden / self.multiple_of)
@@ -81,10 +91,16 @@ class LlamaConfig:
         """Channels per attention head: dim // n_heads."""
         return self.dim // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads when it is None."""
+        return self.n_kv_heads or self.n_heads
+
     def num_params(self) -> int:
         """Parameter count of `Llama(self)` computed from the shapes (tied weights counted once)."""
         d, f = self.dim, self.ffn_dim
-        per_block = 4 * d * d + 3 * d * f + 2 * d  # wq wk wv wo, w1 w2 w3, two RMSNorm weights
+        kv = self.kv_heads * self.head_dim
+        per_block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d  # wq wo, wk wv, w1 w2 w3, two RMSNorms
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_block + embeddings + d  # + final norm
 
@@ -97,6 +113,12 @@ PRESETS: dict[str, LlamaConfig] = {
     "small": LlamaConfig(dim=512, n_layers=8, n_heads=8, multiple_of=64, max_seq_len=512),
     # ~1.1B parameters (TinyLlama's width and depth, full multi-head attention): one or more GPUs.
     "1b": LlamaConfig(dim=2048, n_layers=22, n_heads=16, multiple_of=256, max_seq_len=2048),
+    # Llama 3 8B and 70B shapes (Grattafiori et al. 2024, Table 3; 128K-token vocabulary, untied
+    # output): for memory and communication estimates (`flashfsdp.estimate`), not byte training.
+    "8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                      max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False),
+    "70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                       max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False),
 }
 
 
@@ -104,7 +126,7 @@ def config_from_preset(name: str, **overrides) -> LlamaConfig:
     """A fresh `LlamaConfig` from `PRESETS[name]` with some fields replaced.
 
     Args:
-        name: a key of `PRESETS` ("tiny", "small", "1b").
+        name: a key of `PRESETS` ("tiny", "small", "1b", "8b", "70b").
         **overrides: `LlamaConfig` fields to replace; a value of None keeps the preset's. Changing
             `dim` or `multiple_of` without giving `ffn_dim` recomputes the default `ffn_dim`.
 
@@ -192,12 +214,13 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
         self.max_seq_len = config.max_seq_len
         self.rope_theta = config.rope_theta
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
         cos, sin = rotary_tables(self.head_dim, self.max_seq_len, self.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -217,8 +240,10 @@ class Attention(nn.Module):
                 f"sequence length {seq} exceeds max_seq_len {self.max_seq_len}; "
                 "crop the input or build the model with a larger max_seq_len"
             )
-        q, k, v = (w(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (w(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
+        if self.n_kv_heads != self.n_heads:  # grouped-query attention: a K/V head per group of query heads
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

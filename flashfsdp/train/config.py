@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from flashfsdp.models import PRESETS, LlamaConfig, config_from_preset
+from flashfsdp.models import LlamaConfig, config_from_preset
 
 PROG = "flashfsdp-train"
 RUN_CONFIG = "run.json"
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a byte-level Llama-style language model sharded with flashfsdp.",
     )
     model = p.add_argument_group("model")
-    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
+    model.add_argument("--preset", choices=sorted(PRESET_TRAINING), default=None,
                        help="model size (default: tiny)")
     model.add_argument("--layers", type=int, help="override the preset's number of blocks")
     model.add_argument("--dim", type=int, help="override the preset's model width")

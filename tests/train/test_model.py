@@ -133,7 +133,8 @@ def test_preset_parameter_counts(name, low, high):
 
 
 def test_presets_and_overrides():
-    assert set(PRESETS) == {"tiny", "small", "1b"}
+    assert set(PRESETS) == {"tiny", "small", "1b", "8b", "70b"}
+    assert PRESETS["8b"].num_params() == 8_030_261_248  # Llama 3 8B (grouped-query attention, untied)
     cfg = config_from_preset("tiny", n_layers=2, dim=64, n_heads=None)
     assert (cfg.n_layers, cfg.dim, cfg.n_heads) == (2, 64, PRESETS["tiny"].n_heads)
     assert cfg.ffn_dim == 32 * -(-int(8 * 64 / 3) // 32)  # recomputed for the new width
@@ -152,3 +153,13 @@ def test_bad_config_names_fields():
         LlamaConfig(dim=12, n_heads=4)
     with pytest.raises(ValueError, match="n_layers"):
         LlamaConfig(n_layers=0)
+
+
+def test_grouped_query_attention_shapes_and_count():
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2)
+    model = Llama(cfg)
+    assert model.layers[0].attention.wk.weight.shape == (2 * cfg.head_dim, 64)
+    assert model.num_params() == cfg.num_params()
+    assert model(torch.randint(0, 256, (1, 8))).shape == (1, 8, 256)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        LlamaConfig(dim=64, n_heads=4, n_kv_heads=3)
