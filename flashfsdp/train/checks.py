@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 
 import torch
 
@@ -15,6 +16,7 @@ from flashfsdp.models import LlamaConfig
 from flashfsdp.train.checkpoints import checkpoints_dir, latest_checkpoint
 from flashfsdp.train.config import TrainConfig, UsageError
 from flashfsdp.train.data import Corpus, CorpusError, ShardedBatchSampler, load_corpus
+from flashfsdp.train.launch import under_torchrun
 
 GiB = 2**30
 # fp32 master weight + fp32 gradient + AdamW's two fp32 moments, per parameter.
@@ -26,6 +28,12 @@ STATE_BYTES_PER_PARAM = 16
 ACTIVATION_ELEMENTS_PER_TOKEN_PER_DIM = 17
 # Memory a check may plan to use: the rest is left to the allocator, the runtime and the OS.
 USABLE_FRACTION = 0.9
+# Host memory of one worker process before its model: the interpreter, torch, flashfsdp and the
+# process group. Measured as the resident set (VmRSS) of a process after importing torch and
+# flashfsdp.train.trainer and joining a 2-rank gloo group: 343 MiB with torch 2.13.0+cpu on
+# x86-64 Linux (`python -m benchmarks.soak` measures it again, as `process_overhead`); rounded
+# up to cover the allocator's slack. The worker's copy of the corpus comes on top.
+PROCESS_OVERHEAD_BYTES = 384 * 2**20
 
 
 def check_nproc(nproc: int | None, device_type: str) -> int:
@@ -101,6 +109,11 @@ def available_memory(device_type: str) -> int:
     if device_type == "cuda":
         return min(torch.cuda.get_device_properties(i).total_memory
                    for i in range(torch.cuda.device_count()))
+    return host_available_memory()
+
+
+def host_available_memory() -> int:
+    """Bytes of host memory free for new processes: `MemAvailable`, within the cgroup v2 limit."""
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as fh:
@@ -149,31 +162,64 @@ def estimate_bytes_per_rank(cfg: LlamaConfig, world_size: int, micro_batch: int,
     return max(4 * params // world_size + 8 * largest, state + gathered + activations + logits)
 
 
-def check_fit(config: TrainConfig, world_size: int, local_world: int) -> None:
-    """Refuse a model that cannot fit: on CPU all local ranks share the host's memory, on CUDA
-    each rank has one GPU.
+def rank_bytes_needed(config: TrainConfig, world_size: int) -> int:
+    """`estimate_bytes_per_rank` of the run: its model, micro-batch, sequence and compute dtype."""
+    cfg = config.model
+    micro_batch = config.batch_size // (world_size * config.grad_accum)
+    param_bytes = 2 if config.param_dtype == "bf16" else 4
+    return estimate_bytes_per_rank(cfg, world_size, micro_batch, cfg.max_seq_len, param_bytes)
+
+
+def host_bytes_needed(config: TrainConfig, world_size: int, local_world: int,
+                      corpus_bytes: int = 0, running: bool = False) -> int:
+    """Host memory the `local_world` ranks on this host still need together, in bytes: each
+    rank's process (`PROCESS_OVERHEAD_BYTES` plus its copy of the corpus) unless the processes
+    are `running` already (then that memory is no longer free) and, on CPU, its
+    `rank_bytes_needed` (on CUDA that is on the rank's GPU).
+
+    Args:
+        config: the run's config.
+        world_size: number of ranks.
+        local_world: ranks on this host.
+        corpus_bytes: bytes of the corpus each rank loads (training and validation text).
+        running: the ranks' processes exist (the check runs in a worker).
+    """
+    per_rank = 0 if running else PROCESS_OVERHEAD_BYTES + corpus_bytes
+    if config.device == "cpu":
+        per_rank += rank_bytes_needed(config, world_size)
+    return local_world * per_rank
+
+
+def check_fit(config: TrainConfig, world_size: int, local_world: int, corpus_bytes: int = 0) -> None:
+    """Refuse a run that cannot fit: the local ranks' processes (unless they run already: the
+    check runs in a worker), and on CPU their models, in the host's free memory
+    (`host_bytes_needed`); on CUDA each rank's model on its GPU.
 
     Args:
         config: the run's config (model, batch, micro-batches, compute dtype, device).
         world_size: number of ranks.
         local_world: ranks on this host.
+        corpus_bytes: bytes of the corpus each rank loads.
 
     Raises:
-        UsageError: the estimate exceeds `USABLE_FRACTION` of the available memory; the message
-            names the model options and suggests a smaller one, more ranks, or a smaller batch.
+        UsageError: an estimate exceeds `USABLE_FRACTION` of the available memory; the message
+            gives the figures and suggests fewer local ranks, a smaller model or batch, or more
+            ranks on CUDA.
     """
-    cfg = config.model
-    micro_batch = config.batch_size // (world_size * config.grad_accum)
-    param_bytes = 2 if config.param_dtype == "bf16" else 4
-    need = estimate_bytes_per_rank(cfg, world_size, micro_batch, cfg.max_seq_len, param_bytes)
-    have = available_memory(config.device)
-    size = f"{config.model_flags} ({cfg.num_params() / 1e6:.0f}M parameters)"
-    if config.device == "cpu" and need * local_world > USABLE_FRACTION * have:
+    size = f"{config.model_flags} ({config.model.num_params() / 1e6:.0f}M parameters)"
+    need, host_need = rank_bytes_needed(config, world_size), host_bytes_needed(
+        config, world_size, local_world, corpus_bytes, running=under_torchrun())
+    host = host_available_memory()
+    process = (PROCESS_OVERHEAD_BYTES + corpus_bytes) / GiB
+    if host_need > USABLE_FRACTION * host:
+        model = f"{need / GiB:.1f} GiB for the model and " if config.device == "cpu" else ""
         raise UsageError(
-            f"{size} needs about {need * local_world / GiB:.1f} GiB on this host for "
-            f"{local_world} rank(s) but {have / GiB:.1f} GiB is free; use a smaller --preset, "
-            "--batch-size or --seq-len, or a machine with more memory"
+            f"{size} needs about {host_need / GiB:.1f} GiB on this host for {local_world} rank(s) "
+            f"({model}{process:.1f} GiB for the process and its data, per rank) but "
+            f"{host / GiB:.1f} GiB is free; use a smaller --nproc, --preset, --batch-size or "
+            "--seq-len, or a machine with more memory"
         )
+    have = available_memory(config.device)
     if config.device == "cuda" and need > USABLE_FRACTION * have:
         raise UsageError(
             f"{size} needs about {need / GiB:.1f} GiB per GPU at {world_size} rank(s) but a GPU "
@@ -182,17 +228,41 @@ def check_fit(config: TrainConfig, world_size: int, local_world: int) -> None:
         )
 
 
+def check_writable(out: str) -> None:
+    """--out must be a directory this process can write in, or one it can create.
+
+    Finds the nearest existing directory of `out` (itself or an ancestor) and creates and drops
+    an unnamed temporary file there, so a read-only file system is caught as well as missing
+    permissions (which root bypasses); nothing is left behind.
+
+    Raises:
+        UsageError: `out` or an ancestor is not a directory, or no file can be created there.
+    """
+    existing = out
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--out {out}: {existing} exists and is not a directory; choose another --out")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot write in {existing} ({err.strerror or err}); "
+                         "choose a writable --out") from None
+
+
 def check_out(out: str, resume: bool) -> str | None:
-    """The checkpoint to resume from (None for a fresh run).
+    """The checkpoint to resume from (None for a fresh run), after `check_writable(out)`.
 
     Args:
         out: the run directory (--out).
         resume: --resume was given.
 
     Raises:
-        UsageError: --resume with no checkpoint in --out, or a fresh run whose --out already holds
-            checkpoints (it would mix two runs).
+        UsageError: --out not writable; --resume with no checkpoint in --out, or a fresh run
+            whose --out already holds checkpoints (it would mix two runs).
     """
+    check_writable(out)
     found = latest_checkpoint(out)
     if resume and found is None:
         raise UsageError(
@@ -216,8 +286,8 @@ class Inputs:
 
 
 def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
-    """All the checks that need no process group, in order: batch split, memory fit, data, run
-    directory.
+    """All the checks that need no process group, in order: batch split, run directory, data,
+    memory fit (the corpus each rank loads included).
 
     Args:
         config: the run's config.
@@ -228,7 +298,8 @@ def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
         UsageError: the first check that fails.
     """
     check_batch(config.batch_size, config.grad_accum, world_size)
-    check_fit(config, world_size, local_world)
+    resume_from = check_out(config.out, config.resume)
     corpus = check_data(config.data, config.seed, config.model.max_seq_len, config.batch_size,
                         world_size)
-    return Inputs(corpus, check_out(config.out, config.resume))
+    check_fit(config, world_size, local_world, corpus.train.numel() + corpus.val.numel())
+    return Inputs(corpus, resume_from)

@@ -36,6 +36,10 @@ PRESET_TRAINING = {
 RESUME_FIXED = ("preset", "layers", "dim", "heads", "seq_len", "data", "seed", "batch_size",
                 "lr", "min_lr", "warmup", "decay_steps", "weight_decay", "max_grad_norm")
 
+# Seconds a collective may wait for the other ranks before it fails (--timeout): a hung or
+# stopped rank then stops the job instead of holding every other rank forever.
+DEFAULT_TIMEOUT_S = 600.0
+
 # Options that must be positive integers.
 _POSITIVE = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "save_every")
 DTYPE_NAMES = ("bf16", "fp32")
@@ -102,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int,
                      help="local workers when started plainly (default 2 on CPU, every GPU on CUDA)")
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                     help="seconds a collective waits for the other ranks before the job stops "
+                          f"with an error (a hung rank); default {DEFAULT_TIMEOUT_S:.0f}")
     run.add_argument("--prompt", default="def ", help="prompt for the final samples")
     run.add_argument("--sample-tokens", type=int, default=200,
                      help="bytes sampled per continuation at the end (0: no samples)")
@@ -149,6 +156,8 @@ class TrainConfig:
         keep_checkpoints: newest checkpoints kept; 0 keeps all [--keep-checkpoints].
         nproc: local workers when started plainly, or None for the default [--nproc].
         device: "cpu" or "cuda" (resolved from --device auto|cpu|cuda).
+        timeout: seconds a collective waits for the other ranks before it raises, the process
+            group's timeout (`torch.distributed.init_process_group(timeout=...)`) [--timeout].
         prompt, sample_tokens: prompt and bytes per continuation of the final samples.
 
     Raises:
@@ -182,6 +191,7 @@ class TrainConfig:
     keep_checkpoints: int
     nproc: int | None
     device: str
+    timeout: float
     prompt: str
     sample_tokens: int
 
@@ -198,6 +208,8 @@ class TrainConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
             raise UsageError(f"--lr must be positive and --min-lr in [0, lr]; got {self.lr}, {self.min_lr}")
+        if not self.timeout > 0 or self.timeout == float("inf"):
+            raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if self.warmup < 0:
             raise UsageError(f"--warmup must be non-negative, got {self.warmup}")
         _ = self.model  # raises UsageError on invalid model overrides

@@ -3,8 +3,15 @@ torchrun runs), and, in each worker, joining the process group and catching Ctrl
 
 Under torchrun (the environment has TORCHELASTIC_RUN_ID) the process is already a worker.
 Started plainly, it launches `--nproc` local copies of itself, `python -m flashfsdp.train ARGS`,
-with `torch.distributed.launcher.api.elastic_launch`: a single-node c10d rendezvous on a free
-127.0.0.1 port (as `torchrun --standalone`), no restarts.
+with `torch.distributed.launcher.api.elastic_launch`: a single-node c10d rendezvous (as
+`torchrun --standalone`) whose stores listen on 127.0.0.1 only (`flashfsdp.train.rendezvous`),
+no restarts.
+
+[Note: timeouts] Every collective of a worker waits at most `--timeout` seconds for the other
+ranks (the process group's timeout): a rank that hangs or is stopped makes the others raise, the
+agent sees them fail and ends the job (the hung rank gets SIGTERM, then SIGKILL after the
+agent's shutdown timeout). A rank that dies closes its connections, so the others fail at their
+next collective without waiting for the timeout.
 
 [Note: interrupts] Started by torch's elastic agent (ours or a user's torchrun), workers run in
 their own session: a Ctrl-C reaches only the agent, which forwards SIGINT to each worker once
@@ -17,6 +24,7 @@ checkpoint collectively.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
@@ -24,6 +32,8 @@ import uuid
 
 import torch
 import torch.distributed as dist
+
+from flashfsdp.train.config import DEFAULT_TIMEOUT_S
 
 # Seconds the agent waits for workers to save their final checkpoint after forwarding a SIGINT
 # before it kills them (torch's default is 30).
@@ -70,6 +80,8 @@ def launch(nproc: int, worker_argv: list[str], device_type: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from flashfsdp.train.rendezvous import LOOPBACK, LOOPBACK_BACKEND
+
     if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // nproc))
     os.environ[_LAUNCHED_ENV] = "1"
@@ -79,7 +91,7 @@ def launch(nproc: int, worker_argv: list[str], device_type: str) -> int:
         p for p in (root, os.environ.get("PYTHONPATH")) if p)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+        rdzv_backend=LOOPBACK_BACKEND, rdzv_endpoint=f"{LOOPBACK}:0", local_addr=LOOPBACK,
         max_restarts=0, monitor_interval=0.1, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     try:
@@ -96,24 +108,28 @@ def launch(nproc: int, worker_argv: list[str], device_type: str) -> int:
     return 0
 
 
-def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
+def init_distributed(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S
+                     ) -> tuple[int, int, torch.device]:
     """Join the process group torchrun / elastic set up in the environment (gloo on CPU, NCCL
     on CUDA, one GPU per local rank).
 
     Args:
         device_type: "cpu" or "cuda".
+        timeout_s: seconds a collective waits for the other ranks before it raises (--timeout;
+            see [Note: timeouts]).
 
     Returns:
         (rank, world_size, this rank's device).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    timeout = datetime.timedelta(seconds=timeout_s)
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
         if "OMP_NUM_THREADS" not in os.environ:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))

@@ -296,7 +296,7 @@ def run_worker(config: TrainConfig, corpus: Corpus | None = None,
         corpus: the corpus if already loaded (by the checks), else it is loaded here.
         resume_from: the checkpoint to continue from (found by the checks), or None.
     """
-    rank, world_size, device = init_distributed(config.device)
+    rank, world_size, device = init_distributed(config.device, config.timeout)
     stop = StopFlag()
     if corpus is None:
         corpus = load_corpus(config.data, seed=config.seed)
