@@ -13,7 +13,10 @@ import sys
 
 from tqdm import tqdm
 
+from flashfsdp.estimate import estimate
 from flashfsdp.runtime.memory import PeakMemoryMeter
+from flashfsdp.train.config import RUN_CONFIG, TrainConfig
+from flashfsdp.train.sharding import mixed_precision
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -143,12 +146,30 @@ def write_summary(out: str, summary: dict) -> str:
         ("unigram baseline", _nats(summary["unigram_baseline"])),
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
         ("wall time", f"{summary['wall_s']:.1f} s"),
-        ("peak memory/rank", format_bytes(summary["peak_memory_bytes"])),
+        ("peak memory/rank", _peak_memory(out, summary)),
         ("run directory", out),
     ]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
     return "\n".join([line] + [f"{k:<{width}} | {v}" for k, v in rows] + [line])
+
+
+def estimated_memory(out: str, world_size: int) -> int | None:
+    """`flashfsdp.estimate`'s bytes per rank (model states and the step's peak, activations
+    excluded) for the run whose config is `<out>/run.json`; None if there is none."""
+    path = os.path.join(out, RUN_CONFIG)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        config = TrainConfig(**json.load(fh))
+    return estimate(config.model, world_size, mp_policy=mixed_precision(config.param_dtype, config.reduce_dtype)).total_bytes
+
+
+def _peak_memory(out: str, summary: dict) -> str:
+    """The measured peak, and beside it the estimate (which leaves activations out)."""
+    measured = format_bytes(summary["peak_memory_bytes"])
+    est = estimated_memory(out, summary["world_size"])
+    return measured if est is None else f"{measured} (estimated {format_bytes(est)} + activations)"
 
 
 def _nats(x: float | None) -> str:

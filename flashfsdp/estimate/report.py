@@ -1,0 +1,75 @@
+"""Text tables of an :class:`~flashfsdp.estimate.Estimate`: the per-rank breakdown, the step's
+communication, and memory over world sizes beside DeepSpeed's ZeRO-3 formula."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .deepspeed import zero3_model_states
+from .estimate import Estimate
+
+GIB = 2**30
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell, the first left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def _row(label: str, nbytes: float) -> tuple[str, str, str]:
+    return label, f"{int(nbytes):,}", f"{nbytes / GIB:.2f}"
+
+
+def memory_table(est: Estimate) -> str:
+    """Per-rank memory: model states, then what the step allocates, then the total."""
+    largest = est.largest_unit
+    rows = [
+        _row("master parameters (sharded)", est.master_bytes),
+        _row("gradients (sharded)", est.grad_bytes),
+        _row(f"optimizer state ({est.optimizer})", est.optimizer_bytes),
+        _row(f"unsharded parameters: {len(est.units_at_peak)} units at once", est.params_peak_bytes),
+        _row("unsharded gradients (unit in backward)", est.unsharded_grad_bytes),
+        _row("reduce-scatter pack + output buffers", est.reduce_buffer_bytes),
+        _row("step peak on top of the states", est.transient_peak_bytes),
+        _row("total per rank (no activations)", est.total_bytes),
+    ]
+    note = (f"largest unit: {largest.name} ({largest.numel:,} params, {largest.unsharded_bytes() / GIB:.2f} GiB "
+            f"unsharded); unsharded at the peak: {', '.join(est.units_at_peak) or 'none'}")
+    return _table(("per rank", "bytes", "GiB"), rows) + "\n" + note
+
+
+def comm_table(est: Estimate) -> str:
+    """Per-step communication of one rank, and DDP's all-reduce."""
+    c = est.comm
+    rows = [
+        _row(f"all-gathered, forward ({c.all_gathers} all-gathers in the step)", c.all_gather_forward),
+        _row("all-gathered, backward", c.all_gather_backward),
+        _row(f"reduce-scattered (over {est.shard_group_size} ranks)", c.reduce_scatter),
+    ]
+    if est.replicas > 1:
+        rows.append(_row(f"all-reduced across {est.replicas} replicas", c.all_reduce))
+    rows += [_row("sent per rank (ring)", c.sent), _row("DDP all-reduce of the gradients", c.ddp_all_reduce),
+             _row("DDP sent per rank (ring)", c.ddp_sent)]
+    return _table(("per step", "bytes", "GiB"), rows) + f"\nsent / DDP's: {c.ratio_to_ddp:.2f}x"
+
+
+def world_size_table(estimate_at: Callable[[int], Estimate], world_sizes: Sequence[int],
+                     deepspeed_params: tuple[int, int]) -> str:
+    """Per-rank GiB over world sizes: flashfsdp's model states and total, and DeepSpeed's ZeRO-3
+    estimate without offload (4·largest layer + 18 bytes per parameter / W; ``deepspeed.py``).
+
+    Args:
+        estimate_at: the estimate at a given world size.
+        world_sizes: the W of each row.
+        deepspeed_params: (total parameters, largest layer's) as DeepSpeed counts them.
+    """
+    rows = []
+    for w in world_sizes:
+        est = estimate_at(w)
+        ds = zero3_model_states(*deepspeed_params, num_nodes=w)  # its GPU figure depends on W alone
+        rows.append((str(w), f"{est.model_state_bytes / GIB:.2f}", f"{est.params_peak_bytes / GIB:.2f}",
+                     f"{est.total_bytes / GIB:.2f}", f"{ds.gpu_bytes / GIB:.2f}"))
+    return _table(("W", "states GiB", "unsharded GiB", "total GiB", "DeepSpeed ZeRO-3 GiB"), rows)

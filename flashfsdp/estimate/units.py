@@ -1,0 +1,182 @@
+"""The units of a model as the runtime would build them, from parameter shapes alone.
+
+``fully_shard`` groups a unit's parameters by (dtype, requires_grad) into flat groups and lays each
+out with ``runtime/layout.py`` (offsets aligned for every dtype the group uses, padded to a multiple
+of W·align, see ``runtime/unit.py``). Here the same layout code is applied to the shapes of a model
+that may live on the meta device: nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from flashfsdp.runtime.layout import FlatLayout, align_elements
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One flat group of a unit (what a ``FlatParam`` holds), in elements and bytes per element.
+
+    Attributes:
+        layout: the group's flat layout over the shard group (T = W·S elements).
+        dtype_bytes: bytes per element of the original dtype (master shard and gradient shard).
+        param_bytes: bytes per element of ``param_dtype`` (the unsharded buffer).
+        reduce_bytes: bytes per element of ``reduce_dtype`` (gradient pack and reduce-scatter).
+        trainable: whether the group's parameters require gradients.
+    """
+
+    layout: FlatLayout
+    dtype_bytes: int
+    param_bytes: int
+    reduce_bytes: int
+    trainable: bool
+
+    def busiest_rank_elements(self) -> int:
+        """Parameter elements (padding excluded) of the rank that owns the most: the size of its
+        local pieces, which is what an optimizer keeps state for."""
+        lay = self.layout
+        S, gaps = lay.shard_size, []
+        cursor = 0
+        for off, n in zip(lay.offsets, lay.numels):
+            if off > cursor:
+                gaps.append((cursor, off))
+            cursor = off + n
+        gaps.append((cursor, lay.total))
+        padding: dict[int, int] = {}
+        for lo, hi in gaps:
+            for rank in range(lo // S, min(lay.world_size, -(-hi // S))):
+                padding[rank] = padding.get(rank, 0) + max(0, min(hi, (rank + 1) * S) - max(lo, rank * S))
+        least = 0 if len(padding) < lay.world_size else min(padding.values())
+        return S - least
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit: a name and its flat groups. Sizes are bytes on one rank."""
+
+    name: str
+    groups: tuple[GroupSpec, ...]
+
+    def _sum(self, fn, trainable_only: bool = False) -> int:
+        return sum(fn(g) for g in self.groups if g.trainable or not trainable_only)
+
+    @property
+    def numel(self) -> int:
+        """Parameter elements of the unit (no padding)."""
+        return self._sum(lambda g: sum(g.layout.numels))
+
+    def unsharded_bytes(self) -> int:
+        """The unsharded buffers: T elements in ``param_dtype`` per group."""
+        return self._sum(lambda g: g.layout.total * g.param_bytes)
+
+    def master_bytes(self) -> int:
+        """The master shard: S elements in the original dtype per group."""
+        return self._sum(lambda g: g.layout.shard_size * g.dtype_bytes)
+
+    def grad_shard_bytes(self) -> int:
+        """The gradient shard: S elements in the original dtype per trainable group."""
+        return self._sum(lambda g: g.layout.shard_size * g.dtype_bytes, trainable_only=True)
+
+    def unsharded_grad_bytes(self) -> int:
+        """Autograd's gradients of the unsharded parameters (``param_dtype``, no padding)."""
+        return self._sum(lambda g: sum(g.layout.numels) * g.param_bytes, trainable_only=True)
+
+    def reduce_buffer_bytes(self) -> int:
+        """One reduction's buffers: the packed input (T) and the reduced shard (S) in ``reduce_dtype``."""
+        return self._sum(lambda g: (g.layout.total + g.layout.shard_size) * g.reduce_bytes, trainable_only=True)
+
+    def reduce_scatter_bytes(self) -> int:
+        """The reduce-scatter's input (T elements in ``reduce_dtype`` per trainable group)."""
+        return self._sum(lambda g: g.layout.total * g.reduce_bytes, trainable_only=True)
+
+    def reduced_shard_bytes(self) -> int:
+        """The reduce-scatter's output (S elements in ``reduce_dtype`` per trainable group): what
+        HSDP all-reduces across replicas."""
+        return self._sum(lambda g: g.layout.shard_size * g.reduce_bytes, trainable_only=True)
+
+    def optimizer_state_bytes(self, buffers: int) -> int:
+        """``buffers`` tensors of the size and dtype of the busiest rank's trainable local pieces
+        (Adam's two moments, SGD's momentum)."""
+        return self._sum(lambda g: buffers * g.busiest_rank_elements() * g.dtype_bytes, trainable_only=True)
+
+    def trainable_params(self) -> int:
+        """Number of trainable parameters (each has one local piece, maybe empty, on every rank)."""
+        return self._sum(lambda g: len(g.layout.numels), trainable_only=True)
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The units of the usual wrapping: each block of ``model.layers`` (torchtitan's and this
+    project's Llama), or none (the whole model one unit) when there is no ``layers`` list."""
+    layers = getattr(model, "layers", None)
+    return list(layers) if isinstance(layers, (nn.ModuleList, nn.Sequential)) else []
+
+
+def resolve_units(model: nn.Module, units: Sequence[nn.Module | str] | None) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every non-root unit, in forward order.
+
+    Raises:
+        ValueError: a name that is not a submodule of ``model`` or a module that is not one of
+            its submodules (the message names it), or the model itself.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    chosen = default_units(model) if units is None else list(units)
+    resolved = []
+    for item in chosen:
+        if isinstance(item, str):
+            try:
+                item = model.get_submodule(item)
+            except AttributeError:
+                raise ValueError(f"estimate: units: {item!r} is not a submodule of the model; pass "
+                                 f"qualified names such as {next(iter(names.values()), '')!r} or modules") from None
+        if not isinstance(item, nn.Module) or id(item) not in names or item is model:
+            raise ValueError(f"estimate: units: {type(item).__name__} is not a proper submodule of the model "
+                             f"(the model itself is the root unit)")
+        resolved.append((names[id(item)], item))
+    return resolved
+
+
+def build_units(model: nn.Module, units: Sequence[nn.Module | str] | None, world_size: int,
+                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> list[UnitSpec]:
+    """The root unit first, then the others in forward order, laid out over ``world_size`` ranks.
+
+    Each parameter belongs to the first unit (from the innermost) whose module contains it, the
+    others to the root, as bottom-up ``fully_shard`` calls assign them; a tied weight counts once.
+
+    Raises:
+        ValueError: see :func:`resolve_units`; a parameter shared by two units (``fully_shard``
+            refuses it too: group them into one unit).
+    """
+    owner: dict[int, str] = {}
+    per_unit: dict[str, list[torch.Tensor]] = {}
+    for name, module in resolve_units(model, units):
+        params = per_unit.setdefault(name, [])
+        for p in module.parameters():
+            if id(p) in owner and owner[id(p)] != name:
+                raise ValueError(f"estimate: a parameter is shared by units '{owner[id(p)]}' and '{name}'; "
+                                 f"make them one unit (as fully_shard([a, b]) would)")
+            if id(p) not in owner:
+                owner[id(p)] = name
+                params.append(p)
+    root = [p for p in dict.fromkeys(model.parameters()) if id(p) not in owner]
+    specs = [unit_spec("<root>", root, world_size, param_dtype, reduce_dtype)]
+    return specs + [unit_spec(n, ps, world_size, param_dtype, reduce_dtype) for n, ps in per_unit.items()]
+
+
+def unit_spec(name: str, params: Sequence[torch.Tensor], world_size: int, param_dtype: torch.dtype | None,
+              reduce_dtype: torch.dtype | None) -> UnitSpec:
+    """The flat groups ``ShardedUnit`` makes of ``params`` (see ``runtime/unit.py``)."""
+    keys: dict[tuple[torch.dtype, bool], list[int]] = {}
+    for p in params:
+        keys.setdefault((p.dtype, p.requires_grad), []).append(p.numel())
+    groups = []
+    for (dtype, trainable), numels in keys.items():
+        pdt = param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
+        rdt = reduce_dtype or pdt
+        align = align_elements([dtype.itemsize, pdt.itemsize, rdt.itemsize])
+        groups.append(GroupSpec(FlatLayout.build(numels, world_size, align), dtype.itemsize, pdt.itemsize,
+                                rdt.itemsize, trainable))
+    return UnitSpec(name, tuple(groups))

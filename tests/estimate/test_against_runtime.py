@@ -1,0 +1,95 @@
+"""The estimate against what the runtime really holds and gathers, on CPU gloo ranks.
+
+Each rank shards a small Llama (one unit per block, then the root), trains three steps with AdamW
+(``zero_grad(set_to_none=False)``: the gradient shards stay, as the estimate counts them) and, at
+every unshard, adds up what every unit holds (``ShardedUnit.memory_bytes``: master and gradient
+shards, post-forward slices, unsharded buffers alive). The largest sum over steps 2-3 is compared
+with ``Estimate.unit_holdings_bytes`` (within 5%), the all-gathers of step 3 with the estimate's,
+and the optimizer state of the busiest rank with ``Estimate.optimizer_bytes``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flashfsdp
+from flashfsdp.bindings.autograd import in_backward
+from flashfsdp.estimate import estimate
+from flashfsdp.models import Llama, LlamaConfig
+from flashfsdp.runtime.states import ShardState
+from tests.harness import run_distributed
+
+CONFIG = LlamaConfig(dim=32, n_layers=3, n_heads=2, multiple_of=16, max_seq_len=16)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _instrument(units: list, log: dict) -> None:
+    """Wrap each unit's ``unshard``: count the all-gathers it issues (bytes by pass) and sample the
+    bytes all units hold right after it."""
+    for unit in units:
+        def unshard(unit=unit, original=unit.unshard):
+            issues = unit.state in (ShardState.SHARDED, ShardState.SECONDARY)
+            result = original()
+            if issues:
+                log["gathers"].append(("backward" if in_backward() else "forward",
+                                       sum(g.unsharded_nbytes for g in unit.groups)))
+            held = [u.memory_bytes() for u in units]
+            log["held"].append(sum(h["sharded"] + h["secondary"] + h["unsharded"] for h in held))
+            return result
+
+        unit.unshard = unshard
+
+
+def _measure(rank: int, param_dtype: str, reshard) -> dict:
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    policy = flashfsdp.MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype])
+    for block in model.layers:
+        flashfsdp.fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    flashfsdp.fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+    units = list({id(p._flashfsdp_unit): p._flashfsdp_unit for p in model.parameters()}.values())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    log = {"gathers": [], "held": []}
+    _instrument(units, log)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.max_seq_len), generator=torch.Generator().manual_seed(rank))
+    held_from_step_2 = []
+    for step in range(3):
+        log["gathers"], log["held"] = [], []
+        model(tokens).float().logsumexp(-1).mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+        if step:
+            held_from_step_2 += log["held"]
+    optim_bytes = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values()
+                      if torch.is_tensor(t))
+    return {"held": max(held_from_step_2), "gathers": log["gathers"], "optimizer": optim_bytes}
+
+
+def _cases(rank: int, world_size: int, cases: list) -> list:
+    return [_measure(rank, dtype, reshard) for dtype, reshard in cases]
+
+
+def _check(cases: list, results: list, world_size: int) -> None:
+    for i, (dtype, reshard) in enumerate(cases):
+        est = estimate(CONFIG, world_size, reshard_after_forward=reshard,
+                       mp_policy=flashfsdp.MixedPrecisionPolicy(param_dtype=DTYPES[dtype]))
+        measured = [r[i] for r in results]
+        case = f"{dtype}, reshard_after_forward={reshard}, W={world_size}"
+        held = max(m["held"] for m in measured)
+        assert abs(held - est.unit_holdings_bytes) <= 0.05 * held, (case, held, est.unit_holdings_bytes)
+        gathers = measured[0]["gathers"]
+        assert len(gathers) == est.comm.all_gathers, (case, gathers)
+        forward = sum(n for phase, n in gathers if phase == "forward")
+        assert (forward, sum(n for _, n in gathers) - forward) == (
+            est.comm.all_gather_forward, est.comm.all_gather_backward), case
+        assert max(m["optimizer"] for m in measured) == est.optimizer_bytes, case
+
+
+def test_estimate_matches_runtime_holdings_at_two_ranks():
+    cases = [("fp32", None), ("bf16", None), ("fp32", True), ("bf16", False)]
+    _check(cases, run_distributed(_cases, 2, cases), 2)
+
+
+def test_estimate_matches_runtime_holdings_with_post_forward_groups_at_four_ranks():
+    cases = [("bf16", 2)]
+    _check(cases, run_distributed(_cases, 4, cases), 4)

@@ -1,0 +1,124 @@
+"""flashfsdp.estimate on shapes alone: bad input, the communication ratios, hybrid sharding, the
+optimizer-state layout, DeepSpeed's formula and the command line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashfsdp.estimate import estimate, zero3_model_states
+from flashfsdp.estimate.__main__ import main
+from flashfsdp.estimate.units import unit_spec
+from flashfsdp.models import LlamaConfig
+
+SMALL = LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=16)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(model_or_config="huge", world_size=8), "unknown preset 'huge'"),
+    (dict(world_size=0), "world_size must be an integer >= 1"),
+    (dict(world_size=True), "world_size must be an integer >= 1"),
+    (dict(world_size=8, mesh=(2, 2)), "mesh has 4 ranks .* world_size is 8"),
+    (dict(world_size=4, mesh=(3,)), "mesh has 3 ranks"),
+    (dict(world_size=8, sharding="hybrid"), "needs the shard group size"),
+    (dict(world_size=8, sharding="hybrid", shard_group_size=3), "must divide world_size=8"),
+    (dict(world_size=8, sharding="zero2"), "unknown sharding 'zero2'"),
+    (dict(world_size=8, optimizer="lion"), "unknown optimizer 'lion'"),
+    (dict(world_size=8, sharding="grad_op", reshard_after_forward=True), "contradicts"),
+    (dict(world_size=8, reshard_after_forward=3), "reshard_after_forward=3"),
+    (dict(world_size=8, max_inflight=-1), "max_inflight"),
+    (dict(world_size=8, units=["nope"]), "'nope' is not a submodule"),
+])
+def test_bad_input_names_the_argument(kwargs, match):
+    kwargs = {"model_or_config": SMALL, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        estimate(kwargs.pop("model_or_config"), **kwargs)
+
+
+def test_model_of_another_type_is_a_type_error():
+    with pytest.raises(TypeError, match="model_or_config"):
+        estimate(42, 8)
+
+
+def test_meta_model_and_config_agree():
+    from flashfsdp.models import Llama  # noqa: PLC0415
+
+    with torch.device("meta"):
+        model = Llama(SMALL)
+    assert estimate(model, 8) == estimate(SMALL, 8)
+    assert estimate(model, 8, units=[f"layers.{i}" for i in range(4)]) == estimate(SMALL, 8)
+
+
+def test_communication_is_one_and_a_half_ddp_and_one_without_resharding():
+    """ZeRO-3 (explicit True: every unit gathered in forward and backward) sends 3Ψ against DDP's
+    2Ψ; keeping the parameters (grad_op) 2Ψ; the default keeps the root and the last block."""
+    full = estimate("8b", 64, reshard_after_forward=True).comm
+    grad_op = estimate("8b", 64, sharding="grad_op").comm
+    default = estimate("8b", 64).comm
+    assert full.ratio_to_ddp == pytest.approx(1.5, rel=1e-3)
+    assert grad_op.ratio_to_ddp == pytest.approx(1.0, rel=1e-3)
+    assert grad_op.ratio_to_ddp < default.ratio_to_ddp < full.ratio_to_ddp
+    assert full.all_gathers == 2 * 33 and grad_op.all_gathers == 33 and default.all_gathers == 2 * 33 - 2
+
+
+def test_hybrid_shards_like_its_group_and_all_reduces_the_shard():
+    hybrid = estimate(SMALL, 16, sharding="hybrid", shard_group_size=4)
+    alone = estimate(SMALL, 4)
+    assert (hybrid.replicas, hybrid.master_bytes, hybrid.params_peak_bytes) == (4, alone.master_bytes,
+                                                                               alone.params_peak_bytes)
+    assert hybrid.comm.all_reduce == sum(u.reduced_shard_bytes() for u in hybrid.units) > 0
+    assert estimate(SMALL, 16, mesh=(4, 4)) == hybrid
+
+
+def test_post_forward_slices_cost_memory_and_gather_backward_within_the_group():
+    full, hpz = estimate(SMALL, 8, reshard_after_forward=True), estimate(SMALL, 8, reshard_after_forward=2)
+    assert hpz.params_peak_bytes > full.params_peak_bytes
+    assert hpz.comm.sent < full.comm.sent
+
+
+def test_busiest_rank_elements_match_the_layout_pieces():
+    for numels, world in (([5, 0, 17, 3], 4), ([1000, 7], 64), ([33], 2)):
+        spec = unit_spec("u", [torch.empty(n, device="meta", requires_grad=True) for n in numels], world,
+                         torch.bfloat16, None)
+        layout = spec.groups[0].layout
+        busiest = max(sum(p.numel for p in layout.local_pieces(r)) for r in range(world))
+        assert spec.groups[0].busiest_rank_elements() == busiest
+
+
+def test_deepspeed_formula_written_out():
+    gib = zero3_model_states(10**9, 10**8, num_gpus_per_node=8, num_nodes=2)
+    assert gib.gpu_bytes == 4 * 10**8 + int(18 * 10**9 / 16)
+    assert gib.cpu_bytes == int(10**8 * 4 * 8 * 1.5)
+    offload = zero3_model_states(10**9, 10**8, num_nodes=2, cpu_offload=True, cpu_offload_params=True)
+    assert (offload.gpu_bytes, offload.cpu_bytes) == (4 * 10**8, int(10**9 * 18 / 2 * 1.5))
+    with pytest.raises(ValueError, match="cpu_offload_params needs cpu_offload"):
+        zero3_model_states(1, 1, cpu_offload_params=True)
+
+
+def test_command_line(capsys):
+    assert main(["--preset", "tiny", "--world-size", "8", "--param-dtype", "bf16", "--hsdp", "4",
+                 "--table", "2", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid: 2 replicas of 4 ranks" in out and "DeepSpeed ZeRO-3" in out and "sent / DDP's" in out
+    assert main(["--preset", "huge", "--world-size", "8"]) == 2
+    assert "unknown preset 'huge'" in capsys.readouterr().err
+
+
+def test_training_summary_prints_the_estimate_beside_the_measured_peak(tmp_path):
+    from flashfsdp.train import report  # noqa: PLC0415
+    from flashfsdp.train.config import TrainConfig  # noqa: PLC0415
+
+    config = TrainConfig.from_argv(["--out", str(tmp_path), "--device", "cpu", "--param-dtype", "bf16"])
+    config.save()
+    expected = estimate(config.model, 2, mp_policy=config_policy(config)).total_bytes
+    assert report.estimated_memory(str(tmp_path), 2) == expected
+    summary = dict(params=1, world_size=2, device="cpu", start_step=0, step=1, train_loss=1.0, val_loss=1.0,
+                   unigram_baseline=3.0, tokens_per_s=1.0, wall_s=1.0, peak_memory_bytes=2**30)
+    assert f"1.0GiB (estimated {report.format_bytes(expected)} + activations)" in report.write_summary(
+        str(tmp_path), summary)
+
+
+def config_policy(config):
+    from flashfsdp.train.sharding import mixed_precision  # noqa: PLC0415
+
+    return mixed_precision(config.param_dtype, config.reduce_dtype)
