@@ -11,7 +11,9 @@ the command line to the runtime:
 - `cli`: the entry point `main`: config, checks, then launch the workers or train as one;
 - `config`: the command line, training presets and the frozen `TrainConfig` built once from it;
 - `checks`: what is refused before any worker starts (batch split, memory fit, data, run dir);
-- `launch`: starting the workers (torch elastic), joining the process group, Ctrl-C;
+- `launch`: starting the workers (torch elastic), joining the process group (with the
+  collective timeout), Ctrl-C;
+- `rendezvous`: the launcher's rendezvous, its stores listening on 127.0.0.1 only;
 - `trainer`: `Trainer` (train_step, evaluate, save, train) and `run_worker`, one rank's job;
 - `sharding`: the meta-device build, sharding and gradient clipping through flashfsdp;
 - `checkpoints`: the run directory's checkpoints: naming, finding, saving, rotation;
