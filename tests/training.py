@@ -124,7 +124,7 @@ def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp
                     global_batch: int | None = None, load_from: str | None = None, save_to: str | None = None,
                     full_state_dict: bool = False, lr: float = LR, repeat_batch: bool = False,
                     use_mesh: bool = False, communicator: Communicator | None = None,
-                    keep_unsharded_between_micro_batches: bool = False) -> dict:
+                    keep_unsharded_between_micro_batches: bool = False, shard_kwargs: dict | None = None) -> dict:
     """Train with flashfsdp; return global-mean losses, norms and the full parameters.
 
     Optional: ``global_batch`` rows per step independent of W (default ``MICRO_BATCH·W``);
@@ -137,10 +137,11 @@ def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp
     "reduce_scatters": how many each micro-batch's backward issued);
     ``keep_unsharded_between_micro_batches`` calls ``set_reshard_after_backward(False)`` on all but
     the last micro-batch and adds "unsharded_after_no_sync": per such micro-batch, whether every
-    unit still held its unsharded parameters after backward.
+    unit still held its unsharded parameters after backward. ``shard_kwargs``: more arguments of
+    every fully_shard call (e.g. a 2-D ``mesh``, an ``offload_policy``).
     """
     model = make_model(kind)
-    kwargs = {"reshard_after_forward": reshard_after_forward}
+    kwargs = {"reshard_after_forward": reshard_after_forward, **(shard_kwargs or {})}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if use_mesh:
@@ -224,12 +225,13 @@ def train_reference(kind: str, world_size: int, steps: int = 5, *, grad_accum: i
 
 
 def train_torch_fsdp2(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None,
-                      lr: float = LR, repeat_batch: bool = False) -> dict:
-    """Train with ``torch.distributed.fsdp.fully_shard`` on the same seeds and batches."""
+                      lr: float = LR, repeat_batch: bool = False, shard_kwargs: dict | None = None) -> dict:
+    """Train with ``torch.distributed.fsdp.fully_shard`` on the same seeds and batches
+    (``shard_kwargs``: more arguments of every fully_shard call, e.g. a 2-D ``mesh``)."""
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
     model = make_model(kind)
-    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    kwargs = {**({} if mp_policy is None else {"mp_policy": mp_policy}), **(shard_kwargs or {})}
     for unit in units_of(kind, model):
         fully_shard(unit, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from flashfsdp.kernels.validation import SUPPORTED_DTYPES
-from flashfsdp.runtime.comm_factory import KINDS, default_group
+from flashfsdp.runtime.comm_factory import KINDS, default_group, register_siblings
 from flashfsdp.runtime.communicator import Communicator
 
 from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -297,30 +297,78 @@ def target_device(device: torch.device, mesh, offload: bool = False) -> torch.de
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
-def mesh_group(mesh, device: torch.device):
-    """The process group of a 1-D ``DeviceMesh`` of ``device``'s type (None: the default group).
+@dataclass(frozen=True)
+class MeshGroups:
+    """The process groups of ``fully_shard``'s mesh (FSDP2's ``FSDPMeshInfo`` / ``HSDPMeshInfo``).
+
+    Attributes:
+        shard: the group the unit is sharded over (all-gather and reduce-scatter): a 1-D mesh's
+            group, or dim 1 of a 2-D mesh; None for a single process without torch.distributed.
+        replicate: dim 0 of a 2-D (HSDP) mesh, across which the reduce-scattered shards are
+            all-reduced; None for a 1-D mesh.
+    """
+
+    shard: object
+    replicate: object = None
+
+
+def mesh_groups(mesh, device: torch.device) -> MeshGroups:
+    """The shard and replicate groups of a 1-D or 2-D (HSDP) ``DeviceMesh`` of ``device``'s type
+    (no mesh: the default group). As in FSDP2 (``_fsdp_init._get_mesh_info``), dim 0 of a 2-D
+    mesh replicates and dim 1 shards, and a 2-D mesh must name its dims.
 
     Raises:
         TypeError: ``mesh`` is not a DeviceMesh.
-        ValueError: a mesh that is not 1-D, or of another device type than the parameters.
+        ValueError: a mesh of more than 2 dims; a 2-D mesh without ``mesh_dim_names``, or whose
+            names say the dims are the other way round (dim 0 "shard" or dim 1 "replicate"); a
+            mesh of another device type than the parameters; a mesh that does not hold this rank.
     """
     if mesh is None:
-        return default_group()
+        return MeshGroups(default_group())
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"fully_shard: mesh must be a 1-D DeviceMesh, got {mesh.ndim} "
-            f"dimensions; pass a 1-D mesh (2-D HSDP meshes are not supported yet)"
-        )
+    _check_mesh_dims(mesh)
     if mesh.device_type != device.type:
         raise ValueError(
             f"fully_shard: mesh is of device type '{mesh.device_type}' but the module's parameters are on "
             f"{device}; build the mesh with init_device_mesh('{device.type}', ...) or move the module"
         )
-    return mesh.get_group()
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard: this process (rank {dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}; call "
+            f"fully_shard only on the ranks of its mesh, or build the mesh over this rank's group"
+        )
+    if mesh.ndim == 1:
+        return MeshGroups(mesh.get_group())
+    shard = mesh.get_group(1)
+    register_siblings(shard, [list(map(int, row)) for row in mesh.mesh.tolist()])  # every replica's shard group
+    return MeshGroups(shard, mesh.get_group(0))
+
+
+def _check_mesh_dims(mesh) -> None:
+    """Raises ValueError unless ``mesh`` is 1-D, or 2-D with dim names in FSDP2's order."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard: mesh must be a 1-D DeviceMesh (FSDP) or a 2-D one (HSDP: dims (replicate, shard)), "
+            f"got {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass the data-parallel dims only, e.g. "
+            f"mesh['replicate', 'shard'] (tensor or expert parallelism is not supported)"
+        )
+    if mesh.ndim == 1:
+        return
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "fully_shard: Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
+            "init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=('replicate', 'shard'))"
+        )
+    if names[0] == "shard" or names[1] == "replicate":
+        raise ValueError(
+            f"fully_shard: the 2-D mesh's dims are named {names}, but HSDP replicates across dim 0 and shards "
+            f"across dim 1 (as FSDP2); build it as init_device_mesh(..., (replicas, shard_size), "
+            f"mesh_dim_names=('replicate', 'shard'))"
+        )
 
 
 def check_communicator_matches(comm: Communicator, group) -> None:

@@ -108,10 +108,12 @@ class FSDPModule:
 
         The next backward with sync on reduce-scatters everything accumulated meanwhile. With a
         ``reduce_dtype`` other than ``param_dtype`` the accumulation runs in ``reduce_dtype``.
-        ``recurse``: also every fully_shard'ed module below this one.
+        ``recurse``: also every fully_shard'ed module below this one. Under HSDP it switches the
+        all-reduce across replicas along (as FSDP2 does; see :meth:`set_requires_all_reduce`).
         """
         for state in states_of(self, recurse, "set_requires_gradient_sync"):
             state.requires_gradient_sync = bool(requires_gradient_sync)
+            state.unit.requires_all_reduce = bool(requires_gradient_sync)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Free the unsharded parameters after backward (True, the default) or keep them.
@@ -145,10 +147,13 @@ class FSDPModule:
         state_of(self, "set_is_last_backward").set_is_last_backward(bool(is_last_backward))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2's HSDP switch (all-reduce across replicas). A 1-D mesh has no replicas, so there is
-        no all-reduce to skip; accepted for compatibility (2-D meshes are not supported yet)."""
+        """HSDP: all-reduce the reduce-scattered gradients across replicas (True, the default) or
+        only reduce-scatter them (False): the shards are then summed, without gradients, until a
+        backward with the all-reduce, which adds them in (gradient accumulation with the
+        intra-replica reduce-scatter only, as FSDP2). A 1-D mesh has no all-reduce to skip.
+        ``recurse``: also every fully_shard'ed module below this one."""
         for state in states_of(self, recurse, "set_requires_all_reduce"):
-            state.requires_all_reduce = bool(requires_all_reduce)
+            state.unit.requires_all_reduce = bool(requires_all_reduce)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's summed gradients by ``factor`` instead of the world size.
@@ -181,15 +186,20 @@ class FSDPModule:
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """Call ``hook(reduce_output)`` on each reduce-scatter output of this unit before it is
         divided and accumulated: this rank's flat shard of a parameter group (1-D, ``reduce_dtype``,
-        padding included), e.g. for a user's own all-reduce across replicas. On CUDA it runs on
-        ``stream`` (default: the reduce-scatter stream) ordered after the reduce-scatter.
+        padding included), e.g. for a user's own all-reduce across replicas; under HSDP, on the
+        output of the all-reduce across replicas (as FSDP2). On CUDA it runs on ``stream``
+        (default: the reduce-scatter stream) ordered after the reduce-scatter.
 
         Raises:
             TypeError: ``hook`` is not callable.
+            ValueError: a ``stream`` under HSDP (the hook runs where the all-reduce ran, as FSDP2).
         """
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
         unit = state_of(self, "set_all_reduce_hook").unit
+        if stream is not None and unit.replicate_comm is not None:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP (a 2-D mesh): the hook "
+                             "runs on the stream of the all-reduce across replicas; pass no stream")
         unit.all_reduce_hook, unit.all_reduce_hook_stream = hook, stream
 
     def set_post_optim_event(self, event) -> None:

@@ -23,6 +23,17 @@ With ``CPUOffloadPolicy(pin_memory)`` the shards, their gradients and so the opt
 in (pinned) CPU memory and the optimizer steps there; each unshard copies this rank's shard to the
 compute device (the mesh's, or CUDA under an NCCL process group) before the all-gather, and each
 reduced gradient shard is copied back to be accumulated on the host.
+
+[Note: HSDP]
+With a 2-D ``DeviceMesh`` of shape (R, S) and dims (replicate, shard) (FSDP2's hybrid sharding:
+``init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))``) a unit is sharded
+over its shard group of S ranks only: its parameters are this rank's 1-D pieces of an S-way
+flat layout, identical across the R replicas; all-gathers and reduce-scatters run within the
+shard group, and each reduce-scattered shard is then all-reduced across the replicate group
+(``runtime/reduce.py``), so that the gradients are divided by the whole world size R·S, as
+FSDP2 does. ``set_requires_all_reduce(False)`` reduce-scatters but keeps the shards unsynced
+across replicas (summed until the next all-reduce), ``set_requires_gradient_sync(False)`` skips
+both. ``reshard_after_forward=<int>`` divides S.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from typing import Callable, Iterable
 
 import torch.nn as nn
 
-from flashfsdp.runtime.comm_factory import communicator_for, post_forward_communicator
+from flashfsdp.runtime.comm_factory import communicator_for, post_forward_communicator, resolve_kind
 from flashfsdp.runtime.communicator import Communicator
 from flashfsdp.runtime.unit import ShardedUnit
 
@@ -53,8 +64,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
         module: one module, or a list of modules sharded as one unit (e.g. an embedding and an
             output layer sharing a weight): their floating-point parameters on one device (meta
             too) that no nested fully_shard'ed module owns and ``ignored_params`` leaves out.
-        mesh: a 1-D ``DeviceMesh`` whose group shards the unit. None: the default process group,
-            or a single rank (W = 1) when torch.distributed is not initialised.
+        mesh: a 1-D ``DeviceMesh`` whose group shards the unit, or a 2-D one of dims
+            (replicate, shard) for HSDP (see [Note: HSDP]). None: the default process group, or a
+            single rank (W = 1) when torch.distributed is not initialised.
         reshard_after_forward: True, False, an int k dividing W (ZeRO++ hpZ) or None (the
             default); see [Note: reshard_after_forward].
         shard_placement_fn: FSDP2's per-parameter placement; only None or ``Shard(0)`` can be
@@ -65,15 +77,17 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
             (flashfsdp's or torch's); see [Note: CPU offload].
         ignored_params: parameters left as they are (not sharded, gradients not reduced).
         communicator: "auto" (NCCL through CuPy for CUDA modules, the process group otherwise),
-            "nccl", "process_group", or a ``Communicator`` (with ``mesh``: over the mesh's group).
+            "nccl", "process_group", or a ``Communicator`` (with ``mesh``: over the mesh's group; of
+            a 2-D mesh, over its shard group: the replicate group gets a communicator of its kind).
 
     Returns:
         ``module`` (or the list), whose classes now also derive from :class:`FSDPModule`.
 
     Raises:
         ValueError: a module already fully_shard'ed; an empty list; parameters on several devices;
-            a parameter already owned by another unit; a mesh that is not 1-D or of another
-            device type; a ``Communicator`` not over the mesh's group; an unknown communicator; a
+            a parameter already owned by another unit; a mesh of more than 2 dims, a 2-D mesh
+            without dim names (or named the other way round), a mesh of another device type or
+            without this rank; a ``Communicator`` not over the mesh's (shard) group; an unknown communicator; a
             ``reshard_after_forward`` int that does not divide W.
         TypeError: not an ``nn.Module`` or list of them; a bad parameter dtype, ``mp_policy``,
             ``offload_policy``, ``shard_placement_fn`` or ``reshard_after_forward``.
@@ -90,23 +104,24 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
     target = _init.target_device(device, mesh, offload)
     if offload and device.type != "meta":
         device = target  # the compute device; the shards go to the CPU
-    group = _init.mesh_group(mesh, target)
-    unit, resolved = _build_unit(modules, collected, group, mesh, communicator, device, target,
+    groups = _init.mesh_groups(mesh, target)
+    unit, resolved = _build_unit(modules, collected, groups, mesh, communicator, device, target,
                                  reshard_after_forward, mp_policy, offload, pin_memory)
-    _install(modules, unit, collected, mp_policy, resolved, (group, communicator), target)
+    _install(modules, unit, collected, mp_policy, resolved, (groups.shard, communicator), target)
     return module
 
 
-def _build_unit(modules, collected, group, mesh, communicator, device, target, reshard_after_forward,
-                mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool):
+def _build_unit(modules, collected, groups: _init.MeshGroups, mesh, communicator, device, target,
+                reshard_after_forward, mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool):
     """The unit's communicator(s) and its ShardedUnit (the shards are cut here); the resolved
     ``reshard_after_forward``."""
     if isinstance(communicator, Communicator):
         if mesh is not None:
-            _init.check_communicator_matches(communicator, group)
+            _init.check_communicator_matches(communicator, groups.shard)
         comm = communicator
     else:
-        comm = communicator_for(group, communicator, target)
+        comm = communicator_for(groups.shard, communicator, target)
+    replicate_comm = replicate_communicator(groups.replicate, communicator, target)
     resolved = _init.resolve_reshard_after_forward(reshard_after_forward, comm.world_size)
     post_forward_comm = None
     if resolved.post_forward_size is not None:
@@ -115,9 +130,18 @@ def _build_unit(modules, collected, group, mesh, communicator, device, target, r
     unit = ShardedUnit(
         "+".join(type(m).__name__ for m in modules), collected.params, collected.fqns, comm, device,
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype, post_forward_comm=post_forward_comm,
-        offload=offload, pin_memory=pin_memory,
+        offload=offload, pin_memory=pin_memory, replicate_comm=replicate_comm,
     )
     return unit, resolved
+
+
+def replicate_communicator(group, communicator: str | Communicator, device):
+    """The communicator of an HSDP mesh's replicate group (None for a 1-D mesh, or one replica);
+    of the kind ``communicator`` names (a given Communicator's kind follows the device)."""
+    if group is None:
+        return None
+    comm = communicator_for(group, resolve_kind(communicator, device), device)
+    return comm if comm.world_size > 1 else None
 
 
 def _install(modules, unit: ShardedUnit, collected, mp_policy: MixedPrecisionPolicy, resolved, comm_spec,

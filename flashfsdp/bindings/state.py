@@ -89,7 +89,6 @@ class FSDPState:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.unshard_in_backward = True
-        self.requires_all_reduce = True  # HSDP only: accepted, nothing to skip on a 1-D mesh
         self.force_sum_reduction = False  # flashfsdp always reduces with SUM
         self.is_last_backward = True  # read by the root (set_is_last_backward)
         self.training_state = TrainingState.IDLE

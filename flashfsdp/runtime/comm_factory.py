@@ -4,6 +4,14 @@ An NCCL communicator is expensive to create (a rendezvous, GPU buffers), and ``c
 all-reduces once per communicator rather than once per unit, so units over the same group share
 one. The cache is process-wide and checked against the group object itself (a destroyed and
 re-created default group gets new communicators).
+
+[Note: sibling groups]
+``dist.new_group`` is collective over the default group: every rank must create every group, in
+the same order, even those it is not a member of. A unit's group may be one of several disjoint
+groups of a mesh (the shard groups of an HSDP mesh, one per replica), whose ranks each know only
+their own. :func:`register_siblings` records, for a group, the ranks of all its siblings (the
+mesh's rows), so that the subgroups derived from it (``reshard_after_forward=<int>``, a separate
+reduce-scatter group) are created for every sibling on every rank, in one order.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from .communicator import Communicator, LocalCommunicator
 
 KINDS = ("auto", "nccl", "process_group")
 _cache: dict[tuple, Communicator] = {}
+_siblings: dict[int, tuple[object, list[list[int]]]] = {}  # id(group) -> (group, every sibling's ranks)
 
 
 def resolve_kind(kind: str | Communicator, device: torch.device) -> str:
@@ -71,11 +80,48 @@ def communicator_for(group, kind: str | Communicator, device: torch.device) -> C
     return cached
 
 
+def register_siblings(group, ranks: list[list[int]]) -> None:
+    """Record that ``group`` is one of the disjoint groups whose (global) ranks are ``ranks``, one
+    list per group, the same on every rank (see [Note: sibling groups]).
+
+    Raises:
+        ValueError: ``group``'s own ranks are not among ``ranks``.
+    """
+    if group is None:
+        return
+    own = dist.get_process_group_ranks(group)
+    if own not in ranks:
+        raise ValueError(f"register_siblings: the group's ranks {own} are not among the sibling groups {ranks}")
+    _siblings[id(group)] = (group, [list(r) for r in ranks])
+
+
+def sibling_ranks(group) -> list[list[int]]:
+    """The ranks of every sibling of ``group`` (its own among them): the registered ones, else
+    ``group``'s alone (a group spanning the default group, or a 1-D mesh)."""
+    entry = _siblings.get(id(group))
+    if entry is not None and entry[0] is group:
+        return entry[1]
+    return [dist.get_process_group_ranks(group)]
+
+
+def _new_groups_for(group, split) -> object:
+    """Create, on every rank and in one order, the groups ``split(ranks)`` of every sibling of
+    ``group`` (see [Note: sibling groups]); returns the one this rank belongs to (None if none)."""
+    me, mine = dist.get_rank(), None
+    for ranks in sibling_ranks(group):
+        for sub_ranks in split(ranks):
+            sub = dist.new_group(sub_ranks)
+            if me in sub_ranks:
+                mine = sub
+    return mine
+
+
 def post_forward_communicator(comm: Communicator, k: int, kind: str | Communicator,
                               device: torch.device) -> Communicator:
     """The communicator over this rank's group of k consecutive ranks of ``comm``'s group (hpZ).
 
-    Every rank creates every subgroup, in the same order (``dist.new_group`` is collective).
+    Every rank creates every subgroup of every sibling group, in the same order (``dist.new_group``
+    is collective; see [Note: sibling groups]).
 
     Raises:
         ValueError: ``comm`` has no torch.distributed process group.
@@ -87,12 +133,7 @@ def post_forward_communicator(comm: Communicator, k: int, kind: str | Communicat
     cached = _cache.get(key)
     if cached is not None and cached.parent is group:
         return cached
-    ranks = dist.get_process_group_ranks(group)
-    mine = None
-    for start in range(0, len(ranks), k):
-        sub = dist.new_group(ranks[start : start + k])
-        if dist.get_rank() in ranks[start : start + k]:
-            mine = sub
+    mine = _new_groups_for(group, lambda ranks: [ranks[start : start + k] for start in range(0, len(ranks), k)])
     cached = communicator_for(mine, kind, device)
     cached.parent = group
     _cache[key] = cached
@@ -102,7 +143,8 @@ def post_forward_communicator(comm: Communicator, k: int, kind: str | Communicat
 def separate_communicator(comm: Communicator, device: torch.device) -> Communicator:
     """A communicator of the same kind over a new process group with the ranks of ``comm``'s
     group (FSDP2's ``set_separate_reduce_scatter_group``): collectives on it do not queue behind
-    those on ``comm``. Collective: every rank of the group must call it, in the same order.
+    those on ``comm``. Collective: every rank of the group and of its siblings (see [Note: sibling
+    groups]) must call it, in the same order.
 
     Raises:
         ValueError: ``comm`` has no torch.distributed process group.
@@ -116,7 +158,7 @@ def separate_communicator(comm: Communicator, device: torch.device) -> Communica
     cached = _cache.get(key)
     if cached is not None and cached.parent is group:
         return cached
-    sub = dist.new_group(dist.get_process_group_ranks(group))
+    sub = _new_groups_for(group, lambda ranks: [ranks])
     kind = "nccl" if type(comm).__name__ == "NcclCommunicator" else "process_group"
     cached = communicator_for(sub, kind, device)
     cached.parent = group

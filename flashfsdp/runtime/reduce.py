@@ -11,7 +11,18 @@ returns finishes later: one ``accumulate_grad_shard`` launch post-divides, casts
 Summing W gradients in a low-precision ``reduce_dtype`` can overflow (fp16) or lose digits; so the
 gradients are scaled by 1/f_pre before the reduction and by 1/f_post after it, f_pre·f_post = W,
 with f_pre the power of two near sqrt(W) (FSDP1, ``_get_gradient_predivide_factor``). In fp32 the
-whole division happens after the sum (f_pre = 1), as a single-process mean would.
+whole division happens after the sum (f_pre = 1), as a single-process mean would. Under HSDP, W is
+the whole data-parallel size R·S (FSDP2's ``_get_gradient_divide_factors``).
+
+[Note: HSDP all-reduce]
+With replicas (``unit.replicate_comm``), the reduce-scattered shard (summed over the S ranks of
+the shard group, pre-divided) is all-reduced (summed) across the R replicas before the
+all-reduce hook and the post-divide, as FSDP2's ``foreach_reduce`` does. The all-reduce needs
+the reduce-scatter's result: on CUDA it is enqueued right behind the reduce-scatter on the
+reduce-scatter stream when that is issued (the host does not wait); on CPU, where waiting
+blocks, it is issued when the reduction is finished. With ``unit.requires_all_reduce`` off
+(``set_requires_all_reduce(False)``) the shard is summed into ``unit.partial_reduce`` instead and
+no gradient is accumulated; the next reduction with the all-reduce adds that sum in first.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple
 def divide_factors(unit: "ShardedUnit", reduce_dtype: torch.dtype) -> tuple[float, float]:
     """The (pre, post) divide factors a unit uses: :func:`gradient_divide_factors`, unless
     ``unit.gradient_divide_factor`` sets the total division (split like W: the pre-divide stays)."""
-    f_pre, f_post = gradient_divide_factors(unit.comm.world_size, reduce_dtype)
+    f_pre, f_post = gradient_divide_factors(unit.data_parallel_size, reduce_dtype)
     if unit.gradient_divide_factor is not None:
         total = float(unit.gradient_divide_factor)
         return (1.0, total) if f_pre == 1.0 else (f_pre, total / f_pre)
@@ -70,10 +81,12 @@ class PendingReduce:
     local: list = field(default_factory=list)  # per parameter: got a gradient on this rank
     had: list = field(default_factory=list)  # per parameter: its piece held a gradient already
     plan: ReducePlan | None = None  # the compacted layout the output comes in (None: dense)
+    across_replicas: bool = False  # HSDP: the all-reduce stage was started (see start_all_reduce)
+    to_accumulate: bool = True  # False: the output went into the unit's partial sum
 
-    def _expand(self, grad: torch.Tensor) -> torch.Tensor:
+    def _expand(self) -> torch.Tensor:
         """A compacted output placed at its offsets in a zeroed shard-sized buffer."""
-        full = torch.zeros(grad.numel(), dtype=self.output.dtype, device=self.output.device)
+        full = torch.zeros(self.group.layout.shard_size, dtype=self.output.dtype, device=self.output.device)
         if self.plan.local:
             unflatten(self.output, [seg for seg, _, _ in self.plan.local],
                       [full[start : start + n] for _, start, n in self.plan.local])
@@ -86,18 +99,53 @@ class PendingReduce:
         if unit.all_reduce_hook_stream is not None:
             streams.reduce_scatter.wait_stream(unit.all_reduce_hook_stream)
 
+    def _wait_reduce_scatter(self) -> None:
+        # On CPU the compute thread itself waits here; on CUDA the reduce-scatter stream does
+        # (the compute stream's wait is recorded in streams.wait_for_reduce_scatter).
+        streams = self.unit.streams
+        with trace.waiting(self.issued, [self.work], streams.reduce_scatter, wait_span=not streams.is_cuda):
+            self.work.wait()
+        self.issued = None  # waited: a later wait (the all-reduce's) is not the reduce-scatter's
+
+    def start_all_reduce(self) -> bool:
+        """HSDP (see [Note: HSDP all-reduce]): wait for the reduce-scatter and issue the all-reduce
+        of its output across the replicas (``self.work`` becomes the all-reduce's), or, with
+        ``requires_all_reduce`` off, sum the output into ``unit.partial_reduce``. Returns False in
+        that case (nothing to accumulate now), else True; a no-op without replicas. Run it on the
+        reduce-scatter stream."""
+        unit = self.unit
+        if unit.replicate_comm is None or self.across_replicas:
+            return self.to_accumulate
+        self.across_replicas = True
+        self._wait_reduce_scatter()
+        partial = unit.partial_reduce.pop(id(self.group), None)
+        if partial is not None or not unit.requires_all_reduce:
+            if self.plan is not None:  # partial sums are dense: the frozen parameters may change
+                self.output, self.plan = self._expand(), None
+            if partial is not None:
+                self.output.add_(partial[0])
+                self.local = [a or b for a, b in zip(self.local, partial[1])]
+            if not unit.requires_all_reduce:
+                unit.partial_reduce[id(self.group)] = (self.output, self.local)
+                self.to_accumulate = False
+                return False
+        with trace.label("all_reduce", unit.name):
+            self.work = unit.replicate_comm.all_reduce(self.output, op="sum")
+        return True
+
     def finish(self) -> None:
-        """Wait for the reduce-scatter and accumulate into ``sharded_grad`` (fused norm and flag)."""
+        """Wait for the reduce-scatter (and the all-reduce across replicas under HSDP) and
+        accumulate into ``sharded_grad`` (fused norm and flag)."""
         streams, name = self.unit.streams, self.unit.name
         with streams.use(streams.reduce_scatter):
-            # On CPU the compute thread itself waits here; on CUDA the reduce-scatter stream does
-            # (the compute stream's wait is recorded in streams.wait_for_reduce_scatter).
-            with trace.waiting(self.issued, [self.work], streams.reduce_scatter, wait_span=not streams.is_cuda):
-                self.work.wait()
+            if not self.start_all_reduce():
+                self.keepalive.clear()
+                return
+            self._wait_reduce_scatter()
             grad = self.group.sharded_grad_buffer()
             if self.unit.all_reduce_hook is not None:
                 self._run_all_reduce_hook()
-            output = self.output if self.plan is None else self._expand(grad)
+            output = self.output if self.plan is None else self._expand()
             if output.device != grad.device:
                 # CPU offload: the reduced shard comes to the host (this waits for it), where it
                 # is accumulated; the optimizer then steps on the CPU.
@@ -134,12 +182,16 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
         output = torch.empty(size, dtype=reduce_dtype, device=unit.device)
         with trace.issuing("reduce_scatter", unit.name, rs) as issued:
             work = issued.track((unit.rs_comm or unit.comm).reduce_scatter_tensor(output, packed, op="sum"))
+        pending = PendingReduce(unit, group, work, output, accumulate, 1.0 / f_post, [packed], issued, local, had,
+                                plan)
+        if streams.is_cuda:  # HSDP: enqueue the all-reduce behind it (see [Note: HSDP all-reduce])
+            pending.start_all_reduce()
     # Outside the reduce-scatter stream: the *compute* stream must pass the pack before the
     # gradients it read may be freed (see streams.hold_until_passed).
     streams.hold_until_passed(packed_event, grads)
     for p in group.unsharded_params:
         p.grad = None
-    return PendingReduce(unit, group, work, output, accumulate, 1.0 / f_post, [packed], issued, local, had, plan)
+    return pending
 
 
 def pack(group: FlatParam, grads: list, reduce_dtype: torch.dtype, scale: float, plan: ReducePlan | None,

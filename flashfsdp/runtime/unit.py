@@ -82,6 +82,9 @@ class ShardedUnit:
             al. 2023) and FSDP2's ``reshard_after_forward=<int>``.
         offload, pin_memory: keep the shards and their gradients in (pinned) CPU memory
             (``CPUOffloadPolicy``; see :class:`FlatParam`).
+        replicate_comm: HSDP: the collectives across the replicas of this rank's shard (the
+            ranks of the other shard groups with this rank's shard rank); each reduce-scattered
+            gradient shard is all-reduced over them (``reduce.py``). None: no replicas.
 
     A unit with no parameters is allowed: its unshard and reduction do nothing.
     """
@@ -98,9 +101,15 @@ class ShardedUnit:
         post_forward_comm: Communicator | None = None,
         offload: bool = False,
         pin_memory: bool = False,
+        replicate_comm: Communicator | None = None,
     ):
         self.name = name
         self.comm = communicator
+        self.replicate_comm = replicate_comm
+        self.requires_all_reduce = True  # FSDPModule.set_requires_all_reduce (HSDP)
+        # HSDP without all-reduce: per group (by id), the reduce-scattered shard summed so far and
+        # which parameters got a gradient on this rank (see reduce.py)
+        self.partial_reduce: dict[int, tuple[torch.Tensor, list[bool]]] = {}
         self.post_forward_comm = post_forward_comm
         self._secondary: list[torch.Tensor] = []
         self.device = device
@@ -135,6 +144,11 @@ class ShardedUnit:
         # FSDPModule.set_gradient_divide_factor: the gradients are the sum over ranks divided by it
         self.gradient_divide_factor: float | None = None
         self._tag_pieces()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks whose gradients are averaged: W of the shard group, times the replicas (HSDP)."""
+        return self.comm.world_size * (self.replicate_comm.world_size if self.replicate_comm is not None else 1)
 
     def _tag_pieces(self) -> None:
         for group in self.groups:
