@@ -11,14 +11,17 @@ compute stream and two communication streams and predicts one step. Times are se
 
 ``simulate_ranks`` runs several ranks, each with its own compute, coupled by their collectives (a
 collective starts when the last rank issued it); a :class:`Contention` makes compute and in-flight
-collectives slow each other down, as on CPU hosts where gloo's thread shares the cores.
+collectives slow each other down, as on CPU hosts where gloo's thread shares the cores. Passing a
+:class:`Hierarchy` as the link models HSDP: sharding within groups of S ranks on a fast link
+(NVLink), and an all-reduce of each reduced shard across the W / S replicas on a slow one
+(InfiniBand), e.g. ``sim.simulate(sim.llama3_8b(), 4096, sim.Hierarchy("nvlink", "ib400", 8))``.
 
 Modules: :mod:`~flashfsdp.sim.engine` (the event engine: compute and side streams on one clock),
 :mod:`~flashfsdp.sim.replay` (the runtime's step replayed on it), :mod:`~flashfsdp.sim.simulate`
 (the entry points), :mod:`~flashfsdp.sim.settings` (schedule settings, comparisons and sweeps),
 :mod:`~flashfsdp.sim.calibrate` (traces and probes to the simulator's inputs),
-:mod:`~flashfsdp.sim.link`, :mod:`~flashfsdp.sim.contention` and :mod:`~flashfsdp.sim.model` (the
-cost models and the model description).
+:mod:`~flashfsdp.sim.link`, :mod:`~flashfsdp.sim.hierarchy`, :mod:`~flashfsdp.sim.contention` and
+:mod:`~flashfsdp.sim.model` (the cost models and the model description).
 
 ``python -m benchmarks.overlap`` validates it against measured W = 2 gloo steps on CPU (against a
 null model, step = compute, too) and sweeps Llama-style 8B and 70B models over W and link speeds.
@@ -34,7 +37,8 @@ modelled.
 """
 
 from .contention import Contention, contention_rates, fit_contention
-from .link import LINKS, Link, fit_alpha_beta, fit_link, get_link, ring_collective_s
+from .hierarchy import Hierarchy
+from .link import LINKS, Link, fit_alpha_beta, fit_link, get_link, ring_all_reduce_s, ring_collective_s
 from .model import (
     LLAMA3_70B,
     LLAMA3_8B,
@@ -51,7 +55,7 @@ from .simulate import Prediction, Span, simulate, simulate_ranks
 
 __all__ = [
     "Contention", "contention_rates", "fit_contention",
-    "LINKS", "Link", "fit_alpha_beta", "fit_link", "get_link", "ring_collective_s",
+    "Hierarchy", "LINKS", "Link", "fit_alpha_beta", "fit_link", "get_link", "ring_all_reduce_s", "ring_collective_s",
     "LLAMA3_8B", "LLAMA3_70B", "LlamaShape", "Model", "Unit", "llama3_8b", "llama3_70b", "llama_model",
     "model_from_measurements",
     "SETTINGS", "Prediction", "Setting", "Span", "compare_settings", "prefetch_ahead", "simulate",

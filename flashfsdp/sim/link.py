@@ -45,6 +45,13 @@ def ring_collective_s(nbytes: float, world_size: int, alpha_s: float, bandwidth:
     return (world_size - 1) / world_size * nbytes / bandwidth + (world_size - 1) * alpha_s
 
 
+def ring_all_reduce_s(nbytes: float, world_size: int, alpha_s: float, bandwidth: float) -> float:
+    """Seconds of one ring all-reduce of ``nbytes`` bytes: a ring reduce-scatter followed by a ring
+    all-gather of the same buffer, 2·(W-1)/W · nbytes/β + 2·(W-1)·α (Patarasuk & Yuan 2009, §3;
+    Thakur, Rabenseifner & Gropp 2005, §4). Arguments and errors as :func:`ring_collective_s`."""
+    return 2 * ring_collective_s(nbytes, world_size, alpha_s, bandwidth)
+
+
 def check_world_size(world_size: int) -> None:
     """Raise ValueError unless ``world_size`` is an integer >= 1."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -103,10 +110,17 @@ class Link:
         """Seconds of a ring reduce-scatter whose input (the unsharded buffer) has ``nbytes`` bytes."""
         return ring_collective_s(nbytes, world_size, self.rs_alpha_s, self.rs_bandwidth)
 
+    def all_reduce_s(self, nbytes: float, world_size: int) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` bytes (:func:`ring_all_reduce_s`), at the
+        all-gather's α and β (an all-reduce moves data like an all-gather after a reduce-scatter)."""
+        return ring_all_reduce_s(nbytes, world_size, self.alpha_s, self.bandwidth)
+
     def latency_s(self, world_size: int, collective: str = "all_gather") -> float:
-        """The latency part (W-1)·α of one collective, seconds ("all_gather" or "reduce_scatter")."""
-        alpha = self.alpha_s if collective == "all_gather" else self.rs_alpha_s
-        return (world_size - 1) * alpha if world_size > 1 else 0.0
+        """The latency part of one collective, seconds: (W-1)·α for "all_gather" and
+        "reduce_scatter", 2·(W-1)·α for "all_reduce"."""
+        alpha = self.rs_alpha_s if collective == "reduce_scatter" else self.alpha_s
+        steps = 2 * (world_size - 1) if collective == "all_reduce" else world_size - 1
+        return steps * alpha if world_size > 1 else 0.0
 
     def describe(self) -> str:
         """``"<name>: α = … µs, β = … GB/s"`` (and the reduce-scatter's if they differ)."""

@@ -38,6 +38,11 @@ Per step, mirroring ``FSDPState`` (``_pre_forward``, ``_post_forward``, ``_pre_b
    but unused, and waits for every reduce-scatter.
 7. the optimizer step (``Model.optimizer_s``).
 
+HSDP (``replicate``: the replicate link and R, see :mod:`flashfsdp.sim.hierarchy`): W is then the
+shard group's size S, and each reduce-scatter is followed by an all-reduce of its 1/S shard across
+the R replicas, on the same FIFO: on a GPU issued right behind the reduce-scatter, on a CPU host
+when the reduction is finished (the runtime's [Note: HSDP all-reduce]).
+
 The first simulated step records the execution order (no forward prefetch yet, as in the
 runtime); the prediction is the last of ``steps`` steps.
 
@@ -72,7 +77,7 @@ from .engine import CommEngine, CommOp, Span
 from .link import Link
 from .model import Model, Unit
 
-COLLECTIVES = ("all_gather", "reduce_scatter")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -141,12 +146,15 @@ class StepReplay:
         copy_bandwidth: bytes per second of the copy-in; None: free.
         peer_issues, peer_ends: by collective number, the latest issue and end on the other ranks
             (None: this rank alone); see :func:`~flashfsdp.sim.simulate.simulate_ranks`.
+        replicate: HSDP: ``(replicate link, R)``; ``world_size`` and ``link`` are then the shard
+            group's. None: no replicas.
     """
 
     def __init__(self, model: Model, world_size: int, link: Link, options: ReplayOptions,
                  copy_bandwidth: float | None = None, peer_issues: Sequence[float] | None = None,
-                 peer_ends: Sequence[float] | None = None):
+                 peer_ends: Sequence[float] | None = None, replicate: tuple[Link, int] | None = None):
         self.model, self.W, self.link, self.options = model, world_size, link, options
+        self.replicate_link, self.replicas = replicate if replicate is not None else (None, 1)
         self.policy = options.policy
         self.copy_bandwidth = copy_bandwidth
         self.peer_issues, self.peer_ends = peer_issues, peer_ends
@@ -158,7 +166,7 @@ class StepReplay:
         self.order = ExecutionOrder()
         self.states = {u.name: UnitState(u) for u in model.units}
         self.prefetched: set[str] = set()
-        self.pending: list[tuple[CommOp, int]] = []  # reduce-scatters not finished, with their memory id
+        self.pending: list[tuple[CommOp, int, str]] = []  # reduce-scatters not finished: memory id, unit
         self.held: tuple[CommOp, int] | None = None  # the last reduce-scatter and its unit's gradients (GPU)
         self.t = 0.0
         self._reset_step()
@@ -166,7 +174,7 @@ class StepReplay:
     # -------------------------------------------------------------- bookkeeping
     def _reset_step(self) -> None:
         self.step_start = self.t
-        self.exposed = self.host_copy = self.ag_cost = self.rs_cost = 0.0
+        self.exposed = self.host_copy = self.ag_cost = self.rs_cost = self.ar_cost = 0.0
         self.n_ag = 0
         self.spans: list[Span] = []
         self.ops: list[CommOp] = []
@@ -185,7 +193,7 @@ class StepReplay:
             self.exposed += end - self.t
             self.t = end
 
-    def _issue(self, kind: str, name: str, phases: list) -> CommOp:
+    def _issue(self, kind: str, name: str, phases: list, stream: str | None = None) -> CommOp:
         """Issue a collective now; with peers, its collective phases wait until every rank issued it."""
         n = len(self.issues)
         self.issues.append(self.t)
@@ -193,7 +201,7 @@ class StepReplay:
         if self.peer_issues is not None and n < len(self.peer_issues):
             ready = max(ready, self.peer_issues[n])
         done_after = self.peer_ends[n] if self.peer_ends is not None and n < len(self.peer_ends) else -math.inf
-        stream = "comm" if self.options.shared_comm_stream else kind
+        stream = "comm" if self.options.shared_comm_stream else stream or kind
         op = CommOp(stream, kind, name, self.t, phases, ready=ready, done_after=done_after)
         self.engine.issue(op)
         self.ops.append(op)
@@ -271,18 +279,32 @@ class StepReplay:
         self.rs_cost += cost
         if not self.options.host_blocking:
             self.held = (op, grads_mem)
+        if self.replicas > 1 and not self.options.host_blocking:
+            self.all_reduce(name)  # enqueued behind the reduce-scatter
         buffers = self.mem.alloc(self.t, nbytes + nbytes // self.W)  # packed input + reduced shard
         self.finish_pending()
-        self.pending.append((op, buffers))
+        self.pending.append((op, buffers, name))
+
+    def all_reduce(self, name: str) -> CommOp:
+        """HSDP: issue the all-reduce of the unit's reduced shard across the replicas, on the
+        reduce-scatter stream (on the replicate link: it shares no bandwidth with the shard link)."""
+        nbytes = self.states[name].unit.reduce_bytes_total(self.W) // self.W
+        cost = self.replicate_link.all_reduce_s(nbytes, self.replicas)
+        latency = min(cost, self.replicate_link.latency_s(self.replicas, "all_reduce"))
+        self.ar_cost += cost
+        return self._issue("all_reduce", name, [[latency, False, True], [cost - latency, False, True]],
+                           stream="reduce_scatter")
 
     def finish_pending(self) -> None:
-        """Finish the reductions issued so far: on a CPU host the thread blocks on each; on a GPU
-        only the reduce-scatter stream is ordered, and the buffers go back to the caching allocator
-        (reused in stream order by the next pack)."""
+        """Finish the reductions issued so far: on a CPU host the thread blocks on each (HSDP: then
+        issues its all-reduce and blocks on it); on a GPU only the reduce-scatter stream is ordered,
+        and the buffers go back to the caching allocator (reused in stream order by the next pack)."""
         pending, self.pending = self.pending, []
-        for op, buffers in pending:
+        for op, buffers, name in pending:
             if self.options.host_blocking:
                 self._wait(op)
+                if self.replicas > 1:
+                    self._wait(self.all_reduce(name))
             self.mem.free(self.t, buffers)
 
     # -------------------------------------------------------------- the runtime's hooks (TrainingState)
@@ -325,7 +347,7 @@ class StepReplay:
             self.reshard(name)
         self.finish_pending()
         for op in self.ops:  # wait_for_reduce_scatter: the compute stream waits for the whole stream
-            if op.kind == "reduce_scatter":
+            if op.kind in ("reduce_scatter", "all_reduce"):
                 self._wait(op)
         if self.held is not None:  # release_held
             self.mem.free(self.t, self.held[1])

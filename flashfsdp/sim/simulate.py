@@ -15,6 +15,7 @@ from flashfsdp.runtime.schedule import PrefetchPolicy
 
 from .contention import Contention
 from .engine import EPS, Span
+from .hierarchy import Hierarchy
 from .link import Link, check_world_size, get_link
 from .model import Model
 from .replay import ReplayOptions, StepReplay
@@ -27,8 +28,8 @@ class Prediction:
     """The simulator's prediction for one step (times in seconds, sizes in bytes).
 
     Attributes:
-        world_size: W.
-        link: the link's name.
+        world_size: W (all ranks; under HSDP R·S).
+        link: the link's name (a :class:`~flashfsdp.sim.hierarchy.Hierarchy`'s: both links).
         label: the setting's label (see :data:`SETTINGS`), or "".
         step_s: step time: from the root's pre-forward to the end of the optimizer step.
         compute_s: pure compute of the step (every unit's forward and backward, loss, optimizer).
@@ -44,6 +45,8 @@ class Prediction:
         peak_bytes: peak memory per rank (see :mod:`flashfsdp.sim.replay`).
         sharded_bytes: the constant part of it, the sharded state.
         timeline: the step's spans when ``record_timeline`` was set.
+        all_reduce_s: HSDP: sum of the step's all-reduces across replicas (ring model); 0 without.
+        replicas: R, the replicas of each shard (1 without HSDP).
     """
 
     world_size: int
@@ -60,11 +63,13 @@ class Prediction:
     peak_bytes: int
     sharded_bytes: int
     timeline: list[Span] = field(default_factory=list, repr=False)
+    all_reduce_s: float = 0.0
+    replicas: int = 1
 
     @property
     def comm_s(self) -> float:
         """All communication of the step (seconds), overlapped or not."""
-        return self.all_gather_s + self.reduce_scatter_s
+        return self.all_gather_s + self.reduce_scatter_s + self.all_reduce_s
 
     @property
     def efficiency(self) -> float:
@@ -79,7 +84,7 @@ class Prediction:
                 "efficiency": self.efficiency, "peak_GiB": self.peak_bytes / 2**30}
 
 
-def simulate(model: Model, world_size: int, link: "Link | str", *, policy: PrefetchPolicy | None = None,
+def simulate(model: Model, world_size: int, link: "Link | str | Hierarchy", *, policy: PrefetchPolicy | None = None,
              reshard_after_forward: bool = True, forward_prefetch: Mapping[str, Sequence[str]] | None = None,
              backward_prefetch: Mapping[str, Sequence[str]] | None = None, shared_comm_stream: bool = False,
              share_link_bandwidth: bool = False, host_blocking: bool = False,
@@ -91,7 +96,10 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
     Args:
         model: the units and their compute (seconds) and bytes (:mod:`flashfsdp.sim.model`).
         world_size: ranks W >= 1.
-        link: a :class:`~flashfsdp.sim.link.Link` or a name in :data:`~flashfsdp.sim.link.LINKS`.
+        link: a :class:`~flashfsdp.sim.link.Link` or a name in :data:`~flashfsdp.sim.link.LINKS`;
+            or a :class:`~flashfsdp.sim.hierarchy.Hierarchy` for HSDP (units sharded over its
+            ``shard_size`` ranks on its shard link, each reduced shard all-reduced across the
+            W / S replicas on its replicate link).
         policy: the runtime's prefetch policy (default ``PrefetchPolicy()``: forward and backward
             prefetch, at most 2 in flight).
         reshard_after_forward: free non-root units after forward (re-gathered for backward).
@@ -114,7 +122,8 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
         the last step's :class:`Prediction`.
 
     Raises:
-        ValueError: W < 1, an unknown link name, steps < 1, a bad copy bandwidth, a ``contention``
+        ValueError: W < 1, an unknown link name, a Hierarchy whose shard size does not divide W,
+            steps < 1, a bad copy bandwidth, a ``contention``
             that is not a Contention, or an explicit prefetch list naming an unknown unit (the
             message names the argument).
     """
@@ -126,20 +135,27 @@ def simulate(model: Model, world_size: int, link: "Link | str", *, policy: Prefe
     return _prediction(_replay(model, world_size, link, options, steps, copy_bandwidth), label, record_timeline)
 
 
-def _replay(model: Model, world_size: int, link: Link, options: ReplayOptions, steps: int,
+def _replay(model: Model, world_size: int, link: "Link | Hierarchy", options: ReplayOptions, steps: int,
             copy_bandwidth: float | None, peers: tuple = (None, None)) -> StepReplay:
     """``steps`` steps of one rank (``peers``: the other ranks' issue and end times, or None)."""
-    replay = StepReplay(model, world_size, link, options, copy_bandwidth, *peers)
+    replicate = None
+    if isinstance(link, Hierarchy):  # shard over S ranks on the shard link, all-reduce across R
+        world_size, link, replicate = link.shard_size, link.shard_link, (link.replicate_link, link.replicas(world_size))
+    replay = StepReplay(model, world_size, link, options, copy_bandwidth, *peers, replicate=replicate)
     for _ in range(steps):
         replay.step()
     return replay
 
 
 def _check_simulate_args(model, world_size, link, steps, copy_bandwidth, contention, forward_prefetch,
-                         backward_prefetch) -> Link:
-    """The checks of :func:`simulate` (raising ValueError naming the argument); returns the Link."""
+                         backward_prefetch) -> "Link | Hierarchy":
+    """The checks of :func:`simulate` (raising ValueError naming the argument); returns the Link
+    (or the Hierarchy)."""
     check_world_size(world_size)
-    link = get_link(link)
+    if isinstance(link, Hierarchy):
+        link.replicas(world_size)
+    else:
+        link = get_link(link)
     if not isinstance(model, Model):
         raise ValueError(f"model must be a flashfsdp.sim.Model, got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -159,15 +175,17 @@ def _check_simulate_args(model, world_size, link, steps, copy_bandwidth, content
 
 def _prediction(runtime: StepReplay, label: str, record_timeline: bool) -> Prediction:
     """The prediction of the last step ``runtime`` replayed."""
-    model, world_size = runtime.model, runtime.W
+    model, world_size = runtime.model, runtime.W  # (the shard group's under HSDP)
     sharded = sum(u.sharded_state_bytes(world_size) for u in model.units)
+    link = runtime.link.name if runtime.replicas == 1 else f"{runtime.link.name} / {runtime.replicate_link.name}"
     return Prediction(
-        world_size=world_size, link=runtime.link.name, label=label, step_s=runtime.t - runtime.step_start,
+        world_size=world_size * runtime.replicas, link=link, label=label, step_s=runtime.t - runtime.step_start,
         compute_s=model.compute_s(), exposed_s=runtime.exposed, host_copy_s=runtime.host_copy,
         all_gather_s=runtime.ag_cost, reduce_scatter_s=runtime.rs_cost, all_gathers=runtime.n_ag,
         comm_busy_s=runtime.comm_busy(),
         peak_bytes=sharded + runtime.peak_step_bytes(), sharded_bytes=sharded,
-        timeline=runtime.timeline() if record_timeline else [],
+        timeline=runtime.timeline() if record_timeline else [], all_reduce_s=runtime.ar_cost,
+        replicas=runtime.replicas,
     )
 
 
@@ -176,7 +194,7 @@ def _not_later(new, old) -> bool:
     return old is not None and all(b <= a + 1e-12 + EPS * abs(a) for a, b in zip(old, new))
 
 
-def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str", *,
+def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str | Hierarchy", *,
                    policy: PrefetchPolicy | None = None, reshard_after_forward: bool = True,
                    forward_prefetch: Mapping[str, Sequence[str]] | None = None,
                    backward_prefetch: Mapping[str, Sequence[str]] | None = None, shared_comm_stream: bool = False,
