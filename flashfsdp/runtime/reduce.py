@@ -34,7 +34,7 @@ import torch
 
 from flashfsdp.kernels import accumulate_grad_shard, flatten, unflatten
 
-from . import trace
+from . import loss_scale, trace
 from .communicator import Work
 from .flat_param import FlatParam
 from .reduce_plan import ReducePlan
@@ -152,9 +152,11 @@ class PendingReduce:
                 with trace.span("copy_to_host", name, "reduce_scatter", streams.reduce_scatter):
                     output = output.to(grad.device)
             with trace.span("accumulate", name, "reduce_scatter", streams.reduce_scatter):
-                sq_norm, nonfinite = accumulate_grad_shard(output, grad, scale=self.post_scale,
-                                                           accumulate=self.accumulate)
+                # With an armed loss scaler the same pass also unscales (see loss_scale.py).
+                scale, unscaled_by = loss_scale.kernel_scale(self.group, self.post_scale, self.accumulate)
+                sq_norm, nonfinite = accumulate_grad_shard(output, grad, scale=scale, accumulate=self.accumulate)
         self.group.grad_stats = (sq_norm, nonfinite, grad._version)
+        loss_scale.record(self.group, unscaled_by)
         mask = self.group.grad_mask(self.local, self.had, self.unit.reduce_unused_params) if self.local else None
         self.group.expose_grads(mask)
         self.group.run_post_accumulate_grad_hooks()
@@ -169,6 +171,7 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
     if not group.requires_grad or not any(local):
         return None
     reduce_dtype = unit.reduce_dtype or group.param_dtype
+    loss_scale.warn_if_unscaled(unit.name, group.param_dtype, reduce_dtype)
     f_pre, f_post = divide_factors(unit, reduce_dtype)
     had = group.had_grads()
     accumulate = group.prepare_grad_accumulation()
