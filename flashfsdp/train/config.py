@@ -42,7 +42,14 @@ DEFAULT_TIMEOUT_S = 600.0
 
 # Options that must be positive integers.
 _POSITIVE = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "save_every")
-DTYPE_NAMES = ("bf16", "fp32")
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+# torch's dtype names accepted on the command line for the short ones.
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+
+def _dtype_name(value: str) -> str:
+    """A --param-dtype/--reduce-dtype value with torch's names (float16, ...) mapped to the short ones."""
+    return DTYPE_ALIASES.get(value, value)
 
 
 class UsageError(Exception):
@@ -87,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--weight-decay", type=float, default=None, help="AdamW decay (default 0.1)")
     opt.add_argument("--max-grad-norm", type=float, default=None,
                      help="clip the global gradient norm (default 1.0; 0 disables)")
-    opt.add_argument("--param-dtype", choices=DTYPE_NAMES,
-                     help="compute dtype of unsharded parameters (default bf16 on CUDA, fp32 on CPU)")
-    opt.add_argument("--reduce-dtype", choices=DTYPE_NAMES, default="fp32",
+    opt.add_argument("--param-dtype", choices=DTYPE_NAMES, type=_dtype_name,
+                     help="compute dtype of unsharded parameters (default bf16 on CUDA, fp32 on CPU; "
+                          "fp16, also spelled float16, trains with dynamic loss scaling)")
+    opt.add_argument("--reduce-dtype", choices=DTYPE_NAMES, type=_dtype_name, default="fp32",
                      help="dtype of gradient reduce-scatter (default fp32)")
 
     run = p.add_argument_group("run")
@@ -147,8 +155,9 @@ class TrainConfig:
         decay_steps: step at which the cosine decay reaches min_lr (the first run's --steps).
         weight_decay: AdamW decay of the matrices [--weight-decay].
         max_grad_norm: global gradient-norm clip; 0 only measures it [--max-grad-norm].
-        param_dtype, reduce_dtype: "bf16" or "fp32": compute dtype of unsharded parameters and
-            dtype of the gradient reduce-scatter [--param-dtype --reduce-dtype].
+        param_dtype, reduce_dtype: "bf16", "fp16" or "fp32": compute dtype of unsharded
+            parameters and dtype of the gradient reduce-scatter [--param-dtype --reduce-dtype];
+            fp16 in either trains with dynamic loss scaling (`flashfsdp.ShardedGradScaler`).
         out: absolute path of the run directory [--out].
         resume: continue from the newest checkpoint in `out` [--resume].
         eval_every, eval_batches: validation period in steps, global batches per validation.

@@ -145,6 +145,8 @@ def write_summary(out: str, summary: dict) -> str:
         ("final val loss", _nats(summary["val_loss"])),
         ("unigram baseline", _nats(summary["unigram_baseline"])),
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
+        *([("fp16 steps skipped", f"{summary['overflow_steps']} (gradient overflow)")]
+          if summary.get("overflow_steps") is not None else []),
         ("wall time", f"{summary['wall_s']:.1f} s"),
         ("peak memory/rank", _peak_memory(out, summary)),
         ("run directory", out),

@@ -16,14 +16,14 @@ from torch import nn
 from flashfsdp import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from flashfsdp.models import Attention, Llama, LlamaConfig
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
-    """`MixedPrecisionPolicy` of dtype names "bf16" / "fp32".
+    """`MixedPrecisionPolicy` of dtype names "bf16" / "fp16" / "fp32".
 
     Raises:
-        ValueError: a name that is not "bf16" or "fp32".
+        ValueError: a name that is not "bf16", "fp16" or "fp32".
     """
     for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if value not in DTYPES:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from flashfsdp import ShardedGradScaler
 from flashfsdp.runtime.memory import PeakMemoryMeter
 from flashfsdp.train import report
 from flashfsdp.train.checkpoints import load_checkpoint, save_checkpoint
@@ -55,6 +56,13 @@ def build_optimizer(model: torch.nn.Module, no_decay: frozenset[str], weight_dec
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+
+
+def build_grad_scaler(param_dtype: str, reduce_dtype: str, device: torch.device) -> ShardedGradScaler:
+    """`flashfsdp.ShardedGradScaler` with torch's defaults (initial scale 2**16, halved after an
+    overflow, doubled after 2000 clean steps), enabled when either dtype name is "fp16"; else
+    disabled (its `step` just steps the optimizer)."""
+    return ShardedGradScaler(device.type, enabled="fp16" in (param_dtype, reduce_dtype))
 
 
 class Trainer:
@@ -110,16 +118,21 @@ class Trainer:
             self.model_config, device, mixed_precision(config.param_dtype, config.reduce_dtype),
             seed=None if resume_from else config.seed)
         self.optimizer = build_optimizer(self.model, no_decay, config.weight_decay, config.lr)
+        self.scaler = build_grad_scaler(config.param_dtype, config.reduce_dtype, device)
         self.step, self.saved_extra = 0, {}
         self.resumed = resume_from is not None
         if self.resumed:
             state = load_checkpoint(resume_from, self.model, self.optimizer)
             self.step, self.saved_extra = state["step"], state.get("extra") or {}
+            if self.saved_extra.get("grad_scaler"):
+                self.scaler.load_state_dict(self.saved_extra["grad_scaler"])
         elif rank == 0:
             config.save()
             report.reset(config.out)
         dist.barrier()
         self.start_step = self.step
+        # fp16: optimizer steps skipped because a gradient overflowed (over the whole run)
+        self.overflow_steps = self.saved_extra.get("overflow_steps", 0)
         self.train_loss = self.saved_extra.get("train_loss")
         self.val_loss, self.val_step = None, None
         self.last_saved = self.step if self.resumed else None
@@ -142,7 +155,7 @@ class Trainer:
 
         Returns:
             (the step's metrics record: step, train_loss, lr, grad_norm, step_ms, tokens_per_s,
-            world_size; whether any rank asked to stop).
+            world_size, and in fp16 skipped and loss_scale; whether any rank asked to stop).
         """
         t0 = time.perf_counter()
         lr = self.lr_at(self.step)
@@ -154,11 +167,9 @@ class Trainer:
         for i, (xs, ys) in enumerate(zip(x.split(self.micro_batch), y.split(self.micro_batch))):
             self.model.set_requires_gradient_sync(i == accum - 1)
             loss = self._loss(xs, ys) / accum
-            loss.backward()
+            self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(self.model, self.config.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = self._optimizer_step()
         stop = float(self.stop.requested) if self.stop is not None else 0.0
         stats = torch.stack((loss_sum.float(), torch.tensor(stop, device=self.device)))
         dist.all_reduce(stats)  # mean loss for the bar, and the stop flags of all ranks
@@ -169,7 +180,22 @@ class Trainer:
         record = {"step": self.step, "train_loss": self.train_loss, "lr": lr,
                   "grad_norm": grad_norm, "step_ms": 1000 * dt,
                   "tokens_per_s": self.tokens_per_step / dt, "world_size": self.world_size}
+        if self.scaler.is_enabled():
+            record.update(skipped=skipped, loss_scale=self.scaler.get_scale())
         return record, float(stats[1]) > 0
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Unscale (fp16), clip, step AdamW unless a gradient overflowed, update the loss scale,
+        zero the gradients. Returns (the global gradient norm, whether the step was skipped)."""
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm(self.model, self.config.max_grad_norm)
+        skipped_before = self.scaler.steps_skipped
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped = self.scaler.steps_skipped > skipped_before
+        self.overflow_steps += skipped
+        return grad_norm, skipped
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -192,7 +218,10 @@ class Trainer:
         extra = {"train_loss": self.train_loss,
                  "val_loss": self.val_loss if self.val_step == self.step else None,
                  "lr": self.lr_at(max(self.step - 1, 0)), "world_size": self.world_size,
-                 "seed": c.seed, "batch_size": c.batch_size, "next_step": self.step}
+                 "seed": c.seed, "batch_size": c.batch_size, "next_step": self.step,
+                 "overflow_steps": self.overflow_steps}
+        if self.scaler.is_enabled():
+            extra["grad_scaler"] = self.scaler.state_dict()
         path = save_checkpoint(c.out, self.model, self.optimizer, self.step, extra,
                                c.keep_checkpoints, self.rank)
         self.last_saved = self.step
@@ -280,6 +309,7 @@ class Trainer:
             "unigram_baseline": self.unigram,
             "tokens_per_s": self.tokens_per_step * len(timed) / sum(timed) if timed else 0.0,
             "wall_s": wall_s, "peak_memory_bytes": self.memory.peak_bytes(),
+            "overflow_steps": self.overflow_steps if self.scaler.is_enabled() else None,
         }
         print(report.write_summary(out, summary), flush=True)
         report.plot_losses(out, self.unigram)

@@ -53,4 +53,4 @@ def test_meta_build_gives_the_unsharded_init(world_size):
 
 def test_mixed_precision_rejects_unknown_dtype_names():
     with pytest.raises(ValueError, match="param_dtype must be one of"):
-        mixed_precision("fp16", "fp32")
+        mixed_precision("fp8", "fp32")
