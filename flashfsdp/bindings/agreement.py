@@ -1,8 +1,15 @@
 """Agreement across ranks: an error on one rank raised on every rank, rank 0's value on all.
 
-Used by the state-dict and checkpoint functions where one rank alone can fail (file checks, input
-only rank 0 sees), so that no rank waits forever in a later collective. Without a process group
-(W = 1) nothing is communicated.
+Used by the state-dict, checkpoint and gradient-clipping functions where one rank alone can fail
+(file checks, input only rank 0 sees, an allocation on the rank that keeps the result), so that no
+rank waits forever in a later collective: check first, agree, then act; a failure while acting is
+held until the ranks agree again, and each rank still issues every collective it owes meanwhile.
+
+Two kinds of agreement: over the default group (:func:`agree`, :func:`agree_from_rank0`: Python objects)
+and over a unit's communicator (:func:`agree_in_group`: one 1-element all-reduce when no rank
+failed, the messages exchanged as bytes only when one did; also for units whose group is not the
+default group, and through the CuPy NCCL communicator). Without a process group (W = 1) nothing is
+communicated.
 """
 
 from __future__ import annotations
@@ -10,7 +17,10 @@ from __future__ import annotations
 import builtins
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from flashfsdp.runtime.communicator import Communicator
 
 
 def global_rank() -> int:
@@ -28,8 +38,12 @@ def error_payload(exc: BaseException | None) -> tuple[str, str] | None:
     return None if exc is None else (type(exc).__name__, str(exc))
 
 
-def raise_agreed(payloads: list[tuple[str, str] | None]) -> None:
-    """Raise the first error of any rank, on every rank (of the same class if a builtin one)."""
+def raise_agreed(payloads: list[tuple[str, str] | None], cause: BaseException | None = None) -> None:
+    """Raise the first error of any rank, on every rank (of the same class if a builtin one).
+
+    ``cause``: this rank's own exception, if it had one, chained as the ``__cause__`` (its
+    traceback stays visible on the rank where it happened).
+    """
     for rank, payload in enumerate(payloads):
         if payload is not None:
             kind, message = payload
@@ -37,7 +51,7 @@ def raise_agreed(payloads: list[tuple[str, str] | None]) -> None:
             if not (isinstance(cls, type) and issubclass(cls, Exception)):
                 cls = RuntimeError
             suffix = "" if len(payloads) == 1 else f" (rank {rank})"
-            raise cls(message + suffix)
+            raise cls(message + suffix) from cause
 
 
 def agree(exc: BaseException | None) -> None:
@@ -46,19 +60,103 @@ def agree(exc: BaseException | None) -> None:
     Keeps the ranks together where one rank alone could fail (file checks, input only rank 0 sees),
     so that no rank waits forever in a later collective. No communication without a process group.
     """
-    payload = error_payload(exc)
+    agree_and_gather(exc, None)
+
+
+def agree_and_gather(exc: BaseException | None, value: Any) -> list:
+    """Collective over the default group: :func:`agree` on ``exc``, and every rank's ``value`` (any
+    picklable object), by rank, in the same exchange (one ``all_gather_object``).
+
+    Raises:
+        The first error of any rank, on every rank (this rank's own ``exc`` chained as the cause).
+    """
     if global_world_size() == 1:
-        raise_agreed([payload])
+        raise_agreed([error_payload(exc)], exc)
+        return [value]
+    gathered: list = [None] * global_world_size()
+    dist.all_gather_object(gathered, (error_payload(exc), value))
+    raise_agreed([payload for payload, _ in gathered], exc)
+    return [v for _, v in gathered]
+
+
+def agree_on_list(exc: BaseException | None, items: list, what: str) -> None:
+    """Collective over the default group: :func:`agree` on ``exc``, and on ``items`` being equal on
+    every rank (``what`` names them in the error), in one exchange.
+
+    Raises:
+        The first error of any rank, on every rank (as :func:`agree`).
+        ValueError: ``items`` differ; names the first differing item and the ranks.
+    """
+    everyone = agree_and_gather(exc, items)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs != reference:
+            i = next((i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b), min(len(reference), len(theirs)))
+            ours_i = reference[i] if i < len(reference) else "nothing"
+            theirs_i = theirs[i] if i < len(theirs) else "nothing"
+            raise ValueError(f"{what} differ across ranks: item {i} is {ours_i} on rank 0 but {theirs_i} on rank {rank}")
+
+
+def all_gather_bytes(comm: Communicator, data: bytes, device: torch.device) -> list[bytes]:
+    """Collective over ``comm``: every rank's ``data`` (any length), by rank.
+
+    Two all-gathers of uint8 tensors on ``device`` (the communicator's): the lengths (8 bytes per
+    rank), then the data padded to the longest. One all-gather when every rank's ``data`` has the
+    same, known length: see :func:`all_gather_fixed`.
+    """
+    lengths = all_gather_fixed(comm, len(data).to_bytes(8, "little"), device)
+    longest = max(int.from_bytes(n, "little") for n in lengths)
+    padded = all_gather_fixed(comm, data.ljust(longest, b"\0"), device)
+    return [p[: int.from_bytes(n, "little")] for p, n in zip(padded, lengths)]
+
+
+def all_gather_fixed(comm: Communicator, data: bytes, device: torch.device) -> list[bytes]:
+    """Collective over ``comm``: every rank's ``data``, by rank; every rank passes the same length.
+    One all-gather of a uint8 tensor on ``device``."""
+    if comm.world_size == 1:
+        return [data]
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(0, dtype=torch.uint8, device=device)
+    out = torch.empty(len(data) * comm.world_size, dtype=torch.uint8, device=device)
+    comm.all_gather_into_tensor(out, mine).wait()
+    flat = out.cpu().numpy().tobytes()
+    return [flat[r * len(data) : (r + 1) * len(data)] for r in range(comm.world_size)]
+
+
+def agree_in_group(comm: Communicator, exc: BaseException | None, device: torch.device) -> None:
+    """Collective over ``comm``: if any of its ranks failed, every one raises the first error.
+
+    One all-reduce (max) of a 1-element flag on ``device`` when no rank failed; when one did, the
+    error messages are exchanged too (:func:`all_gather_bytes`) and every rank raises the first
+    (lowest rank's) error, naming that rank, as :func:`raise_agreed`. Nothing is communicated at
+    W = 1.
+    """
+    if comm.world_size == 1:
+        raise_agreed([error_payload(exc)], exc)
         return
-    payloads: list = [None] * global_world_size()
-    dist.all_gather_object(payloads, payload)
-    raise_agreed(payloads)
+    flag = torch.tensor([0 if exc is None else 1], dtype=torch.int32, device=device)
+    comm.all_reduce(flag, op="max").wait()
+    if int(flag.item()) == 0:
+        return
+    raise_group_errors(comm, exc, device)
 
 
-def from_rank0(obj: Any) -> Any:
-    """Collective: rank 0's ``obj`` on every rank (``obj`` itself without a process group)."""
-    if global_world_size() == 1:
-        return obj
-    box = [obj if global_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def raise_group_errors(comm: Communicator, exc: BaseException | None, device: torch.device) -> None:
+    """Collective over ``comm``, once every rank knows that some rank failed: exchange the errors
+    and raise the first on every rank (see :func:`agree_in_group`; the rank named is the rank in
+    ``comm``'s group)."""
+    payload = error_payload(exc)
+    encoded = b"" if payload is None else f"{payload[0]}\0{payload[1]}".encode("utf-8", "replace")
+    raise_agreed([None if not b else tuple(b.decode("utf-8", "replace").split("\0", 1))
+                  for b in all_gather_bytes(comm, encoded, device)], exc)
+
+
+def agree_from_rank0(exc: BaseException | None, obj: Any) -> Any:
+    """Collective: :func:`agree` on ``exc`` and hand rank 0's ``obj`` to every rank, in one exchange.
+
+    Returns:
+        rank 0's ``obj`` (``obj`` itself without a process group).
+
+    Raises:
+        The first error of any rank, on every rank (as :func:`agree`).
+    """
+    return agree_and_gather(exc, obj if global_rank() == 0 else None)[0]

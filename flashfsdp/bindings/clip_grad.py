@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from flashfsdp.runtime.communicator import Communicator
 
+from .agreement import error_payload, raise_agreed, raise_group_errors
 from .init_window import close_init_windows
 
 
@@ -27,6 +28,12 @@ def clip_grad_norm_(
     For the 2-norm, a unit whose gradient shard is unchanged since its reduction reuses the
     squared norm that ``accumulate_grad_shard`` computed in the same pass (no extra read).
 
+    Collective over the communicators of the units whose parameters are given (one all-reduce
+    each), with or without gradients on this rank, so that no rank is left waiting: an argument
+    refused on one rank, or a non-finite norm with ``error_if_nonfinite`` on one rank, travels in
+    the same all-reduce as the norm and is raised on every rank (naming the rank); then no
+    gradient is clipped.
+
     Args:
         model_or_params: a model (its ``parameters()``) or an iterable of parameters.
         max_norm: the norm to clip to (> 0).
@@ -42,33 +49,64 @@ def clip_grad_norm_(
         if the norm must agree.
 
     Raises:
-        ValueError: ``max_norm`` <= 0 or ``norm_type`` <= 0.
-        RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is set.
+        ValueError: ``max_norm`` <= 0 or ``norm_type`` <= 0 (on any rank).
+        RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is set (on any rank).
     """
     close_init_windows()
+    params = list(model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params)
+    error = None
+    try:
+        norm_type = _check_args(max_norm, norm_type)
+    except ValueError as exc:
+        error, norm_type = exc, 2.0  # (this rank still takes part in the all-reduces)
+    grads = [p.grad for p in params if p.grad is not None]
+    comms = unit_communicators(params)
+    if not grads and not comms:
+        raise_agreed([error_payload(error)], error)
+        return torch.tensor(0.0)
+    device = grads[0].device if grads else next(iter(comms.values()))[1]
+    total_norm = total_grad_norm(params, norm_type, device, comms, error, error_if_nonfinite)
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype) if len({g.dtype for g in grads}) == 1 else coef)
+    return total_norm
+
+
+def _check_args(max_norm: float, norm_type: float) -> float:
+    """``norm_type`` as a float; ValueError for a bad ``max_norm`` or ``norm_type``."""
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
-    params = list(model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params)
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    total_norm = total_grad_norm(params, norm_type, grads[0].device)
-    if error_if_nonfinite and not torch.isfinite(total_norm):
-        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is {total_norm.item()}")
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].dtype) if len({g.dtype for g in grads}) == 1 else coef)
-    return total_norm
+    return norm_type
 
 
-def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+def unit_communicators(params: list[torch.Tensor]) -> dict[int, tuple[Communicator, torch.device]]:
+    """``id(communicator) -> (communicator, its unit's device)`` of every sharded parameter's unit,
+    in parameter order, whether or not the parameter has a gradient on this rank (a piece may be
+    empty on one rank and have no gradient there, and its unit's all-reduce is still owed)."""
+    comms: dict[int, tuple[Communicator, torch.device]] = {}
+    for p in params:
+        unit = getattr(p, "_flashfsdp_unit", None)
+        if unit is not None and hasattr(p, "_flashfsdp_group"):
+            comms.setdefault(id(unit.comm), (unit.comm, unit.device))
+    return comms
+
+
+def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.device, comms: dict,
+                    error: BaseException | None = None, error_if_nonfinite: bool = False) -> torch.Tensor:
     """The ``norm_type``-norm of every gradient of ``params`` across ranks (0-dim fp32 on ``device``):
-    per communicator, the sum (max for inf) of its sharded pieces' terms, all-reduced once;
-    replicated parameters' terms added once. Collective over the units' communicators."""
+    per communicator of ``comms`` (:func:`unit_communicators`), the sum (max for inf) of its sharded
+    pieces' terms, all-reduced once together with a failure flag; replicated parameters' terms
+    added once. Collective over ``comms``.
+
+    Raises:
+        ``error`` (this rank's refused argument) or a non-finite norm (``error_if_nonfinite``) of
+        any rank, on every rank.
+    """
     is_inf = math.isinf(norm_type)
-    per_comm: dict[int, tuple[Communicator, torch.device, list[torch.Tensor]]] = {}
+    terms_by_comm: dict[int, list[torch.Tensor]] = {key: [] for key in comms}
     replicated: list[torch.Tensor] = []
     seen_groups: set[int] = set()
     for p in params:
@@ -77,26 +115,57 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.
         group = getattr(p, "_flashfsdp_group", None)
         if group is None:
             replicated.append(_norm_term(p.grad, norm_type))
-            continue
-        unit = p._flashfsdp_unit
-        terms = per_comm.setdefault(id(unit.comm), (unit.comm, unit.device, []))[2]
-        if _fused_norm_usable(group, norm_type, params):
+        elif _fused_norm_usable(group, norm_type, params):
             if id(group) not in seen_groups:
                 seen_groups.add(id(group))
-                terms.append(group.grad_stats[0].to(device))
+                terms_by_comm[id(p._flashfsdp_unit.comm)].append(group.grad_stats[0].to(device))
         else:
-            terms.append(_norm_term(p.grad, norm_type))
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for comm, comm_device, terms in per_comm.values():
-        part = (torch.stack(terms).max() if is_inf else torch.stack(terms).sum()).reshape(1)
-        part = part.to(comm_device, copy=True)  # (CPU-offloaded gradients: the collective's device)
-        comm.all_reduce(part, op="max" if is_inf else "sum").wait()
-        part = part.to(device)
-        total = torch.maximum(total, part[0]) if is_inf else total + part[0]
-    if replicated:
-        rep = torch.stack(replicated)
-        total = torch.maximum(total, rep.max()) if is_inf else total + rep.sum()
-    return total if is_inf else total ** (1.0 / norm_type)
+            terms_by_comm[id(p._flashfsdp_unit.comm)].append(_norm_term(p.grad, norm_type))
+    total = _combine(torch.zeros((), dtype=torch.float32, device=device), replicated, is_inf)
+    # Flags sent with each norm part: [refused argument, replicated norm not finite]; >= 0, so both
+    # sum and max leave them > 0 exactly when some rank raised one.
+    flags = torch.tensor([float(error is not None), 0.0], device=device)
+    if error_if_nonfinite:
+        flags[1] = (~torch.isfinite(total)).float()
+    nonfinite_elsewhere = False
+    for key, (comm, comm_device) in comms.items():
+        part = _combine(torch.zeros((), dtype=torch.float32, device=device), terms_by_comm[key], is_inf)
+        payload = torch.cat([part.reshape(1), flags]).to(comm_device)
+        comm.all_reduce(payload, op="max" if is_inf else "sum").wait()
+        if _remote_failure(payload, comm_device, error_if_nonfinite, comm.rank):
+            raise_group_errors(comm, error, comm_device)
+        nonfinite_elsewhere = nonfinite_elsewhere or (error_if_nonfinite and payload[2].item() > 0)
+        part = payload[0].to(device)
+        total = torch.maximum(total, part) if is_inf else total + part
+    raise_agreed([error_payload(error)], error)  # (no communicator: this rank's own)
+    total = total if is_inf else total ** (1.0 / norm_type)
+    if error_if_nonfinite and (nonfinite_elsewhere or not torch.isfinite(total)):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is not finite ({total.item()} on "
+                           f"this rank{', and not finite on another' if nonfinite_elsewhere else ''}); no gradient was clipped")
+    return total
+
+
+def _remote_failure(payload: torch.Tensor, device: torch.device, synchronising: bool, rank: int) -> bool:
+    """Whether some rank refused its arguments (``payload[1] > 0``).
+
+    Read on the host where that costs nothing (CPU) or the caller asked for a synchronisation
+    anyway (``error_if_nonfinite``). On CUDA otherwise an asynchronous device assertion carries it
+    (no synchronisation on the training step's path; the rank fails at its next one) and this
+    returns False.
+    """
+    if device.type == "cpu" or synchronising:
+        return payload[1].item() > 0
+    torch._assert_async(payload[1] == 0, f"clip_grad_norm_: another rank than rank {rank} refused its arguments "
+                                         f"(see its error); the gradients were not clipped consistently")
+    return False
+
+
+def _combine(start: torch.Tensor, terms: list[torch.Tensor], is_inf: bool) -> torch.Tensor:
+    """``start`` with ``terms`` added (max for the inf-norm)."""
+    if not terms:
+        return start
+    stacked = torch.stack(terms).float()
+    return torch.maximum(start, stacked.max()) if is_inf else start + stacked.sum()
 
 
 def _norm_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:

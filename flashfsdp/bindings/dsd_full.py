@@ -13,16 +13,24 @@ communicator, unit by unit in module order (the same on every rank, since DSD ca
 ``state_dict()`` on every rank). DSD then keeps them (all ranks, or rank 0 with ``cpu_offload``),
 exactly as it does with the full tensors it gathers from FSDP2's DTensors. With ``cpu_offload``
 the gathered values go straight to the CPU, so the device holds one unit extra at a time.
+
+No rank is left waiting in an all-gather another rank will not issue: the model's units are
+checked to be the same on every rank (``structure.py``, once), the ranks agree before gathering
+(an allocation failure, an optimizer state present on one rank only), and a failure while a rank
+keeps the gathered values is raised on every rank once the all-gathers are done (``agreement.py``).
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+
+from .agreement import agree, agree_in_group, agree_on_list
+from .structure import check_same_structure
 
 _DSD_MODULE = "torch.distributed.checkpoint.state_dict"
 
@@ -57,29 +65,89 @@ def _target(info, device: torch.device) -> torch.device:
 
 
 def full_unit_params(state, info) -> dict[int, torch.Tensor]:
-    """Unit parameter index -> its full value (collective over the unit's ranks)."""
-    from .full_state_dict import gather_group  # noqa: PLC0415
+    """Unit parameter index -> its full value (collective over the unit's ranks).
+
+    No rank is left waiting: the units' structure is checked (once), the buffer is allocated and
+    the ranks agree (one 1-element all-reduce) before the all-gathers; a failure while cutting out
+    the values (e.g. out of host memory) lets the rank finish the unit's all-gathers, and the ranks
+    agree again at the end of the unit (raised on every rank).
+    """
+    from .full_state_dict import _flat_buffers, cut_params, gather_flat  # noqa: PLC0415
 
     unit = state.unit
+    check_same_structure([state])
     by_group: dict[int, dict[int, int]] = {}
     for i, (group, pos) in enumerate(unit.param_slots):
         by_group.setdefault(id(group), {})[pos] = i
+    flat_buffer, error = None, None
+    try:
+        flat_buffer = _flat_buffers([("", state)])
+    except Exception as exc:  # noqa: BLE001 - agreed below
+        error = exc
+    agree_in_group(unit.comm, error, unit.device)
     out: dict[int, torch.Tensor] = {}
     for group in unit.groups:
         positions = by_group.get(id(group), {})
-        fulls = gather_group(unit, group, group.sharded_flat, sorted(positions), _target(info, unit.device))
-        for pos, tensor in fulls.items():
-            out[positions[pos]] = tensor
+        full = flat_buffer(group, unit.device)
+        gather_flat(unit, group, group.sharded_flat, full)
+        if error is None:
+            try:
+                for pos, tensor in cut_params(group, full, sorted(positions), _target(info, unit.device)).items():
+                    out[positions[pos]] = tensor
+            except Exception as exc:  # noqa: BLE001 - the other ranks are still gathering
+                error, out = exc, {}
+    agree_in_group(unit.comm, error, unit.device)
     return out
 
 
 def full_optimizer_state(state: dict, params: dict[Any, nn.Parameter], is_piece_state, info) -> dict:
     """``state`` (an optimizer state dict's ``state``) with every per-element state of a flashfsdp
     parameter replaced by its full tensor: one all-gather per (flat group, state key), groups in
-    the optimizer's parameter order."""
-    from .full_state_dict import gather_group  # noqa: PLC0415
+    the optimizer's parameter order.
 
-    jobs: dict[tuple[int, str], list] = {}  # (id(group), key) -> [(param_id, param, value)]
+    Collective. The ranks first agree (one exchange over the default group) on the list of
+    all-gathers (unit, parameter, state key, dtype), which depends on each rank's optimizer state,
+    and on any error in preparing them (the buffers are allocated before); a failure while cutting
+    out the values lets the rank finish the all-gathers, then is raised on every rank.
+
+    Raises:
+        ValueError: the optimizer's state differs across ranks (e.g. a parameter has ``exp_avg``
+            on one rank only), naming the first differing entry.
+    """
+    from .full_state_dict import cut_params, gather_flat  # noqa: PLC0415
+
+    jobs, order, buffers, error = {}, [], None, None
+    try:
+        jobs, order = _optimizer_jobs(state, params, is_piece_state)
+        buffers = _job_buffers(jobs, order)
+    except Exception as exc:  # noqa: BLE001 - agreed below
+        error = exc
+    agree_on_list(error, [_describe_job(job, jobs[job]) for job in order], "flashfsdp: the optimizer states to gather")
+    out = {param_id: dict(entries) if isinstance(entries, dict) else entries for param_id, entries in state.items()}
+    for job in order:
+        members = jobs[job]
+        group, unit = members[0][1]._flashfsdp_group, members[0][1]._flashfsdp_unit
+        shard, full = buffers(group, members[0][2].dtype, unit.device)
+        shard.zero_()
+        positions = {}
+        for param_id, p, value in members:
+            pc = p._flashfsdp_piece
+            shard[pc.shard_start : pc.shard_end].copy_(value.detach().reshape(-1))
+            positions[pc.param_index] = param_id
+        gather_flat(unit, group, shard, full)
+        if error is None:
+            try:
+                for pos, tensor in cut_params(group, full, sorted(positions), _target(info, unit.device)).items():
+                    out[positions[pos]][job[1]] = tensor
+            except Exception as exc:  # noqa: BLE001 - the other ranks are still gathering
+                error = exc
+    agree(error)
+    return out
+
+
+def _optimizer_jobs(state: dict, params: dict[Any, nn.Parameter], is_piece_state) -> tuple[dict, list]:
+    """(id(group), key) -> [(param_id, param, value)] of every per-element state, and their order."""
+    jobs: dict[tuple[int, str], list] = {}
     order: list[tuple[int, str]] = []
     for param_id, entries in state.items():
         param = params.get(param_id)
@@ -92,18 +160,29 @@ def full_optimizer_state(state: dict, params: dict[Any, nn.Parameter], is_piece_
                     jobs[job] = []
                     order.append(job)
                 jobs[job].append((param_id, param, value))
-    out = {param_id: dict(entries) if isinstance(entries, dict) else entries for param_id, entries in state.items()}
+    return jobs, order
+
+
+def _describe_job(job: tuple[int, str], members: list) -> tuple:
+    """What the ranks must agree on for one all-gather: (unit, state key, dtype, the parameters' names)."""
+    return (members[0][1]._flashfsdp_unit.name, job[1], str(members[0][2].dtype),
+            tuple(p._flashfsdp_fqn for _, p, _ in members))
+
+
+def _job_buffers(jobs: dict, order: list) -> Callable:
+    """A getter of (S-element shard, T-element full) buffers for a job's group and state dtype: one
+    pair per (dtype, device), as large as the largest group, allocated here (before the ranks agree)."""
+    sizes: dict[tuple[torch.dtype, torch.device], tuple[int, int]] = {}
     for job in order:
-        members = jobs[job]
-        param = members[0][1]
-        group, unit = param._flashfsdp_group, param._flashfsdp_unit
-        shard = torch.zeros(group.layout.shard_size, dtype=members[0][2].dtype, device=unit.device)
-        positions = {}
-        for param_id, p, value in members:
-            pc = p._flashfsdp_piece
-            shard[pc.shard_start : pc.shard_end].copy_(value.detach().reshape(-1))
-            positions[pc.param_index] = param_id
-        fulls = gather_group(unit, group, shard, sorted(positions), _target(info, unit.device))
-        for pos, tensor in fulls.items():
-            out[positions[pos]][job[1]] = tensor
-    return out
+        _, param, value = jobs[job][0]
+        layout, key = param._flashfsdp_group.layout, (value.dtype, param._flashfsdp_unit.device)
+        s, t = sizes.get(key, (0, 0))
+        sizes[key] = (max(s, layout.shard_size), max(t, layout.total))
+    buffers = {key: (torch.empty(s, dtype=key[0], device=key[1]), torch.empty(t, dtype=key[0], device=key[1]))
+               for key, (s, t) in sizes.items()}
+
+    def get(group, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        shard, full = buffers[(dtype, device)]
+        return shard[: group.layout.shard_size], full[: group.layout.total]
+
+    return get

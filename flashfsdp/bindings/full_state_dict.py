@@ -16,11 +16,12 @@ import torch.nn as nn
 from flashfsdp.kernels import flatten, unflatten
 from flashfsdp.runtime.flat_param import FlatParam, shards_written
 
-from .agreement import error_payload, from_rank0, global_rank, raise_agreed
+from .agreement import agree, agree_from_rank0, global_rank
 from .init_window import close_init_windows
 from .sharded_tensor import ShardedPiece
 from .state import FSDPState, TrainingState
 from .state_dict import unit_param_keys
+from .structure import check_same_structure
 
 
 def _check_model(model: Any, where: str) -> list[tuple[str, FSDPState]]:
@@ -75,8 +76,9 @@ def _wanted_by_group(state: FSDPState, owners: dict, keys) -> dict[int, dict[int
 def _flat_buffers(states: list[tuple[str, FSDPState]]) -> Callable[[FlatParam, torch.device], torch.Tensor]:
     """A getter of a T-element buffer for a group, reusing one buffer per (dtype, device) for all units.
 
-    The buffer is as large as the largest group, allocated at first use and freed with the getter:
-    one allocation instead of one per unit keeps the peak at one unit without leaving the host
+    The buffer is as large as the largest group, allocated here (so that an allocation failure
+    comes before the ranks agree, not between two collectives) and freed with the getter: one
+    allocation instead of one per unit keeps the peak at one unit without leaving the host
     allocator a trail of freed unit-sized blocks. Safe to reuse: the collectives and copies of one
     unit are issued on the current stream before the next unit's.
     """
@@ -85,36 +87,37 @@ def _flat_buffers(states: list[tuple[str, FSDPState]]) -> Callable[[FlatParam, t
         for group in state.unit.groups:
             key = (group.dtype, state.unit.device)
             sizes[key] = max(sizes.get(key, 0), group.layout.total)
-    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
 
     def get(group: FlatParam, device: torch.device) -> torch.Tensor:
-        key = (group.dtype, device)
-        if key not in buffers:
-            buffers[key] = torch.empty(sizes[key], dtype=group.dtype, device=device)
-        return buffers[key][: group.layout.total]
+        return buffers[(group.dtype, device)][: group.layout.total]
 
     return get
 
 
 @torch.no_grad()
-def gather_group(unit, group: FlatParam, shard: torch.Tensor, positions: list[int], target: torch.device | None,
-                 full: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
-    """The full values of parameters ``positions`` of ``group`` from every rank's ``shard``.
+def gather_flat(unit, group: FlatParam, shard: torch.Tensor, full: torch.Tensor) -> None:
+    """Collective over the unit's communicator: every rank's S-element ``shard`` into ``full``.
 
-    Collective over the unit's communicator: each rank passes its S-element shard laid out like
-    ``group.sharded_flat`` (the master weights, or per-element optimizer state placed at the pieces'
-    offsets); one all-gather into ``full`` (a T-element buffer of ``shard``'s dtype, allocated if
-    None). ``target``: where the results go (None: gather only, for ranks that keep nothing).
+    ``shard`` is laid out like ``group.sharded_flat`` (the master weights, or per-element optimizer
+    state placed at the pieces' offsets); ``full`` is a T-element buffer of its dtype on the unit's
+    device. This rank's shard is copied into its own slice of ``full`` and gathered in place, so
+    nothing is allocated between the ranks' agreement and the collective.
+    """
+    S = group.layout.shard_size
+    own = full[group.rank * S : (group.rank + 1) * S]
+    own.copy_(shard)  # (a CPU-offloaded shard moves to the device)
+    unit.comm.all_gather_into_tensor(full, own).wait()
+
+
+@torch.no_grad()
+def cut_params(group: FlatParam, full: torch.Tensor, positions: list[int], target: torch.device) -> dict[int, torch.Tensor]:
+    """Parameters ``positions`` of ``group`` out of a gathered T-element ``full`` (local, no collective).
 
     Returns:
-        position -> tensor of the parameter's full shape on ``target`` (own memory).
+        position -> tensor of the parameter's full shape and ``full``'s dtype on ``target`` (own memory).
     """
-    if full is None:
-        full = torch.empty(group.layout.total, dtype=shard.dtype, device=unit.device)
-    unit.comm.all_gather_into_tensor(full, shard.to(full.device)).wait()  # (a CPU-offloaded shard moves)
-    if target is None:
-        return {}
-    outs = [torch.empty(group.shapes[pos], dtype=shard.dtype, device=target) for pos in positions]
+    outs = [torch.empty(group.shapes[pos], dtype=full.dtype, device=target) for pos in positions]
     offsets = [group.layout.offsets[pos] for pos in positions]
     if target == full.device:
         unflatten(full, offsets, outs)
@@ -133,6 +136,11 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
     ``param_dtype``), the parameters are cut out of it (``unflatten``, or views copied to the CPU),
     and the next unit reuses the buffer, so the extra memory on the device is one (the largest) unit.
 
+    No rank is left waiting: the arguments and the model are checked on every rank and the ranks
+    agree before the first all-gather (an error on one rank is raised on every rank, naming it);
+    a failure while a rank keeps its copies (e.g. out of host memory on rank 0) lets that rank
+    finish the remaining all-gathers without keeping anything, then is raised on every rank.
+
     Args:
         model: a module with at least one fully_shard'ed submodule (or itself fully_shard'ed).
         cpu_offload: put the tensors on the CPU (True) or leave them on the parameters' device.
@@ -144,45 +152,64 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
 
     Raises:
         TypeError: ``model`` is not a module, or a flag is not a bool.
-        ValueError: ``model`` has no fully_shard'ed module.
-        RuntimeError: called during forward/backward.
+        ValueError: ``model`` has no fully_shard'ed module; the units differ across ranks.
+        RuntimeError: called during forward/backward; a sharded entry that belongs to no unit.
+        Any error of one rank, on every rank (the rank named in the message).
     """
-    states = _check_model(model, "get_full_state_dict")
-    for name, flag in (("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"get_full_state_dict: {name} must be a bool, got {flag!r}")
+    plan, error = None, None
+    try:
+        plan = _plan_get(model, cpu_offload, rank0_only)
+    except Exception as exc:  # noqa: BLE001 - agreed below: raised on every rank
+        error = exc
+    agree(error)
+    states, template, owners, flat_buffer = plan
+    check_same_structure([state for _, state in states])
     keep = not rank0_only or global_rank() == 0
-    template = model.state_dict()
-    owners = _owners(model)
     gathered: dict[str, torch.Tensor] = {}
-    flat_buffer = _flat_buffers(states)
     for _, state in states:
         unit = state.unit
         wanted = _wanted_by_group(state, owners, template.keys())
+        target = torch.device("cpu") if cpu_offload else unit.device
         for group in unit.groups:
             positions = wanted.get(id(group))
             if not positions:
                 continue
-            target = torch.device("cpu") if cpu_offload else unit.device
-            outs = gather_group(unit, group, group.sharded_flat, sorted(positions), target if keep else None,
-                                flat_buffer(group, unit.device))
-            for pos, out in outs.items():
-                for key in positions[pos]:
-                    gathered[key] = out
+            full = flat_buffer(group, unit.device)
+            gather_flat(unit, group, group.sharded_flat, full)
+            if keep and error is None:
+                try:
+                    for pos, out in cut_params(group, full, sorted(positions), target).items():
+                        gathered.update(dict.fromkeys(positions[pos], out))
+                except Exception as exc:  # noqa: BLE001 - the other ranks are still gathering
+                    error, gathered = exc, {}
     del flat_buffer
+    agree(error)
     if not keep:
         return {}
-    result: dict[str, Any] = {}
+    return {key: gathered[key] if key in gathered else _plain_value(value, cpu_offload)
+            for key, value in template.items()}
+
+
+def _plan_get(model: Any, cpu_offload: Any, rank0_only: Any) -> tuple:
+    """The local checks and preparation of :func:`get_full_state_dict` (every rank, before agreeing):
+    ``(states, template, owners, flat buffer getter)``."""
+    states = _check_model(model, "get_full_state_dict")
+    for name, flag in (("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"get_full_state_dict: {name} must be a bool, got {flag!r}")
+    template = model.state_dict()
+    owners = _owners(model)
     for key, value in template.items():
-        if key in gathered:
-            result[key] = gathered[key]
-        elif isinstance(value, ShardedPiece):
+        if isinstance(value, ShardedPiece) and key not in owners:
             raise RuntimeError(f"get_full_state_dict: '{key}' is sharded but belongs to no unit of the model")
-        elif isinstance(value, torch.Tensor):
-            result[key] = value.detach().to("cpu") if cpu_offload else value.detach()
-        else:
-            result[key] = value
-    return result
+    return states, template, owners, _flat_buffers(states)
+
+
+def _plain_value(value: Any, cpu_offload: bool) -> Any:
+    """A state-dict entry outside the units (a buffer, an ignored parameter, extra state) as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu") if cpu_offload else value.detach()
+    return value
 
 
 def _validate_full_state_dict(state_dict: Any, template: Mapping[str, Any], strict: bool) -> list[str]:
@@ -214,6 +241,7 @@ def _validate_full_state_dict(state_dict: Any, template: Mapping[str, Any], stri
                              f"{tuple(expected.shape)} in the model; load a state dict of the same model")
         if value.is_meta:
             raise ValueError(f"set_full_state_dict: '{key}' is on the meta device (it has no values)")
+        _check_dtype_kind(key, value, expected)
         present.append(key)
     if strict:
         unexpected = [k for k in state_dict if k not in template]
@@ -224,33 +252,37 @@ def _validate_full_state_dict(state_dict: Any, template: Mapping[str, Any], stri
     return present
 
 
-@torch.no_grad()
-def _agreed_keys(state_dict, template: Mapping[str, Any], strict: bool) -> list[str]:
-    """The keys rank 0's ``state_dict`` provides, checked on rank 0 and agreed by every rank (an
-    error on rank 0 is raised on every rank, so none is left waiting in a broadcast)."""
-    verdict: Any = None
-    if global_rank() == 0:
-        try:
-            verdict = ("ok", _validate_full_state_dict(state_dict, template, strict))
-        except (TypeError, ValueError, NotImplementedError) as exc:
-            verdict = ("error", error_payload(exc))
-    verdict = from_rank0(verdict)
-    if verdict[0] == "error":
-        raise_agreed([verdict[1]])
-    return verdict[1]
+def _check_dtype_kind(key: str, value: torch.Tensor, expected: torch.Tensor) -> None:
+    """A floating value for a floating entry (any floating dtype: cast to the entry's), an integer
+    or bool value for an integer or bool entry (cast too); anything else is refused."""
+    def kind(dtype: torch.dtype) -> str:
+        return "complex" if dtype.is_complex else "floating" if dtype.is_floating_point else "integer/bool"
+
+    if kind(value.dtype) != kind(expected.dtype):
+        raise TypeError(
+            f"set_full_state_dict: '{key}' has dtype {value.dtype} in state_dict but {expected.dtype} in the model; "
+            f"{kind(value.dtype)} values are not cast to {kind(expected.dtype)} ones (any floating dtype loads "
+            f"into a floating parameter): pass the state dict of the same model, or convert that entry first"
+        )
+
+
+def loading_failed(exc: BaseException, where: str) -> RuntimeError:
+    """The error to agree on when loading failed after the ranks agreed (chained to ``exc``)."""
+    error = RuntimeError(f"set_full_state_dict: {type(exc).__name__}: {exc} (loading {where}); the model is "
+                         f"partly loaded now: remove the cause and load again")
+    error.__cause__ = exc
+    return error
 
 
 @torch.no_grad()
-def _broadcast_into_units(states, owners: dict, present: list[str], state_dict) -> None:
-    """Unit by unit: rank 0 packs a group's parameters into one T-element buffer, the unit's
-    communicator broadcasts it, every rank copies its elements into its shard."""
-    is_root = global_rank() == 0
-    flat_buffer = _flat_buffers(states)
+def _broadcast_into_units(states, owners: dict, present: list[str], state_dict, flat_buffer) -> BaseException | None:
+    """Unit by unit: rank 0 packs a group's parameters into one T-element buffer (cast to the
+    group's dtype), the unit's communicator broadcasts it, every rank copies its elements into its
+    shard. A failure on a rank does not stop it: it keeps issuing every broadcast (rank 0 sends
+    zeros for a group it could not pack) and returns its first error, for the ranks to agree on."""
+    is_root, error = global_rank() == 0, None
     for _, state in states:
         unit = state.unit
-        if (unit.comm.rank == 0) != is_root:
-            raise NotImplementedError(f"set_full_state_dict: unit '{unit.name}' broadcasts from its group's rank 0, "
-                                      f"which is not rank 0 of the default group")
         wanted = _wanted_by_group(state, owners, present)
         for group in unit.groups:
             positions = wanted.get(id(group))
@@ -258,14 +290,45 @@ def _broadcast_into_units(states, owners: dict, present: list[str], state_dict) 
                 continue
             flat = flat_buffer(group, unit.device)
             if is_root:
-                sources = [None] * len(group.shapes)
-                for pos, keys in positions.items():
-                    sources[pos] = state_dict[keys[0]].detach().reshape(-1).to(unit.device)
-                flatten(sources, list(group.layout.offsets), flat, numels=list(group.layout.numels))
+                try:
+                    _pack(group, positions, state_dict, flat, unit.device)
+                except Exception as exc:  # noqa: BLE001 - agreed by the caller
+                    error = error or loading_failed(exc, f"unit '{unit.name}'")
+                    flat.zero_()
             unit.comm.broadcast(flat, 0).wait()
-            for pos in positions:
-                pc = group.pieces[pos]
-                group.sharded_flat[pc.shard_start : pc.shard_end].copy_(flat[pc.flat_start : pc.flat_end])
+            try:
+                for pos in positions:
+                    pc = group.pieces[pos]
+                    group.sharded_flat[pc.shard_start : pc.shard_end].copy_(flat[pc.flat_start : pc.flat_end])
+            except Exception as exc:  # noqa: BLE001 - agreed by the caller
+                error = error or loading_failed(exc, f"unit '{unit.name}'")
+    return error
+
+
+def _pack(group: FlatParam, positions: dict[int, list[str]], state_dict, flat: torch.Tensor, device) -> None:
+    """Rank 0: the group's parameters from ``state_dict`` into ``flat`` (gaps zeroed), in the group's dtype."""
+    sources = [None] * len(group.shapes)
+    for pos, keys in positions.items():
+        sources[pos] = state_dict[keys[0]].detach().reshape(-1).to(device=device, dtype=group.dtype)
+    flatten(sources, list(group.layout.offsets), flat, numels=list(group.layout.numels))
+
+
+@torch.no_grad()
+def _broadcast_plain(comm, template: Mapping[str, Any], keys: list[str], state_dict) -> BaseException | None:
+    """Buffers and parameters outside units, broadcast from rank 0 one by one and copied in place
+    (cast to each entry's dtype); failures as in :func:`_broadcast_into_units`."""
+    error = None
+    for key in keys:
+        target = template[key]
+        buf = torch.zeros_like(target)
+        if global_rank() == 0:
+            try:
+                buf.copy_(state_dict[key].detach())
+            except Exception as exc:  # noqa: BLE001 - agreed by the caller
+                error, buf = error or loading_failed(exc, f"'{key}'"), buf.zero_()
+        comm.broadcast(buf, 0).wait()
+        target.copy_(buf)
+    return error
 
 
 def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None, *,
@@ -273,38 +336,59 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     """Load a plain (unsharded) state dict into a fully_shard'ed model, from rank 0.
 
     Collective. Rank 0's ``state_dict`` is the source (other ranks may pass None, or the same dict:
-    theirs is not read). Rank 0 checks it first (every rank raises its error, so none hangs), then
-    unit by unit rank 0 packs the group's parameters into one T-element buffer in the original dtype
-    (``flatten``: cast, gaps zeroed), the unit's communicator broadcasts it, and each rank copies its
-    elements into the sharded master storage in place; the next unit reuses the buffer.
-    Buffers and parameters outside units are broadcast the same way and copied in place.
+    theirs is not read). Every rank checks the model and arguments and rank 0 checks the dict, and
+    the ranks agree before any broadcast: an error on any rank is raised on every rank (naming the
+    rank), so none is left waiting. Then unit by unit rank 0 packs the group's parameters into one
+    T-element buffer in the parameters' original dtype (a value of another floating dtype, e.g. of
+    ``model.double().state_dict()``, is cast; ``flatten``: gaps zeroed), the unit's communicator
+    broadcasts it, and each rank copies its elements into the sharded master storage in place; the
+    next unit reuses the buffer. Buffers and parameters outside units are broadcast the same way
+    and copied in place. A failure during the broadcasts (e.g. out of memory on rank 0) is raised on
+    every rank after the last broadcast; the model is then partly loaded: load again.
 
     Args:
         model: a module with at least one fully_shard'ed submodule.
         state_dict: on rank 0, ``{key: tensor}`` as the unwrapped model's ``state_dict()`` gives
-            (full shapes, any floating dtype, any device); of a tied parameter the first name is read.
+            (full shapes, any device; any floating dtype for a floating entry, any integer/bool
+            dtype for an integer/bool buffer: cast); of a tied parameter the first name is read.
         strict: require exactly the model's keys (True), or load what is there and keep the rest.
 
     Raises:
         TypeError: ``model`` is not a module, ``state_dict`` is not a mapping on rank 0 or holds a
-            non-tensor / sharded value.
+            non-tensor / sharded value, or a value of another kind than its entry (an integer
+            tensor for a floating parameter: refused rather than silently made a float).
         ValueError: no fully_shard'ed module; a missing or unexpected key (strict), a wrong shape —
-            each message names the key.
-        NotImplementedError: the model has extra state (``get_extra_state``), which is not broadcast.
+            each message names the key; the units differ across ranks.
+        NotImplementedError: the model has extra state (``get_extra_state``), which is not broadcast;
+            a unit whose group's rank 0 is not rank 0 of the default group.
+        Any error of one rank, on every rank (the rank named in the message).
     """
+    plan, present, error = None, None, None
+    try:
+        plan = _plan_set(model, strict)
+        if global_rank() == 0:
+            present = _validate_full_state_dict(state_dict, plan[1], strict)
+    except Exception as exc:  # noqa: BLE001 - agreed below: raised on every rank
+        error = exc
+    present = agree_from_rank0(error, present)
+    states, template, owners, flat_buffer = plan
+    check_same_structure([state for _, state in states])
+    shards_written()  # unsharded copies kept meanwhile are stale after this
+    error = _broadcast_into_units(states, owners, present, state_dict, flat_buffer)
+    del flat_buffer
+    plain = [key for key in present if key not in owners]
+    error = _broadcast_plain(states[0][1].unit.comm, template, plain, state_dict) or error
+    agree(error)
+
+
+def _plan_set(model: Any, strict: Any) -> tuple:
+    """The local checks and preparation of :func:`set_full_state_dict` (every rank, before agreeing):
+    ``(states, template, owners, flat buffer getter)``."""
     states = _check_model(model, "set_full_state_dict")
     if not isinstance(strict, bool):
         raise TypeError(f"set_full_state_dict: strict must be a bool, got {strict!r}")
-    template = model.state_dict()
-    owners = _owners(model)
-    present = _agreed_keys(state_dict, template, strict)
-    shards_written()  # unsharded copies kept meanwhile are stale after this
-    _broadcast_into_units(states, owners, present, state_dict)
-    comm = states[0][1].unit.comm
-    for key in present:
-        if key in owners:
-            continue
-        target = template[key]
-        buf = state_dict[key].detach().to(target.device, target.dtype) if global_rank() == 0 else torch.empty_like(target)
-        comm.broadcast(buf, 0).wait()
-        target.copy_(buf)
+    for _, state in states:
+        if (state.unit.comm.rank == 0) != (global_rank() == 0):
+            raise NotImplementedError(f"set_full_state_dict: unit '{state.unit.name}' broadcasts from its group's "
+                                      f"rank 0, which is not rank 0 of the default group")
+    return states, model.state_dict(), _owners(model), _flat_buffers(states)

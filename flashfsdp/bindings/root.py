@@ -18,6 +18,7 @@ from flashfsdp.runtime import trace
 from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
 from flashfsdp.runtime.unit import PendingReduce
 
+from .structure import check_same_structure
 from .tree import map_tensors
 
 if TYPE_CHECKING:
@@ -115,23 +116,49 @@ class RootContext:
 def init_root(self: "FSDPState") -> None:
     """Make state ``self`` the root of every state in its module's subtree (lazy init).
 
+    Collective over the units' communicators (once per unit and process): the units must be
+    the same on every rank (``structure.py``).
+
     Raises:
         ValueError: ``set_max_inflight_all_gathers`` was called on a module of the subtree
             other than this root (only the root's limit is used); or this root is a group of
-            several modules (a root must be one module, as in FSDP2).
+            several modules (a root must be one module, as in FSDP2); or the units differ across
+            ranks (raised on every rank, naming the first difference).
     """
-    if len(self.modules) > 1:
-        raise ValueError(
-            f"fully_shard: the unit of the modules {[type(m).__name__ for m in self.modules]} has no "
-            f"fully_shard'ed parent, so it would be the root, and a root must be one module: call "
-            f"fully_shard on a module that contains them all"
-        )
     states: list["FSDPState"] = []
     for m in self.module.modules():
         state = m.__dict__.get("_flashfsdp_state")
         if state is not None and state not in states:
             states.append(state)
     names = {id(m): n for n, m in self.module.named_modules()}
+    try:
+        _check_root(self, states, names)
+        error = None
+    except ValueError as exc:
+        error = exc
+    for state in states:
+        state.unit.name = "+".join(names.get(id(m), "?") for m in state.modules) or "<root>"
+    # Before any all-gather (a model that differs by rank would abort it); a refused setting on
+    # one rank alone is raised on every rank.
+    check_same_structure(states, error)
+    ctx = RootContext(root=self, states=states, policy=PrefetchPolicy(max_inflight=self.max_inflight),
+                      is_last_backward=self.is_last_backward)
+    for state in states:
+        state.ctx = ctx
+    # Backward starts with the root's parameters: keep them after forward, unless told
+    # otherwise explicitly (FSDP2 does the same for reshard_after_forward=None).
+    if not self.reshard_explicit:
+        self.reshard_after_forward = False
+
+
+def _check_root(self: "FSDPState", states: list["FSDPState"], names: dict[int, str]) -> None:
+    """The local checks of :func:`init_root` (see its Raises)."""
+    if len(self.modules) > 1:
+        raise ValueError(
+            f"fully_shard: the unit of the modules {[type(m).__name__ for m in self.modules]} has no "
+            f"fully_shard'ed parent, so it would be the root, and a root must be one module: call "
+            f"fully_shard on a module that contains them all"
+        )
     for state in states:
         if state is not self and state.max_inflight_set:
             raise ValueError(
@@ -139,12 +166,3 @@ def init_root(self: "FSDPState") -> None:
                 f"({state.class_name}), which is not the root: only the root's limit is used; "
                 f"call it on the root module ({self.class_name}) instead"
             )
-    ctx = RootContext(root=self, states=states, policy=PrefetchPolicy(max_inflight=self.max_inflight),
-                      is_last_backward=self.is_last_backward)
-    for state in states:
-        state.ctx = ctx
-        state.unit.name = "+".join(names.get(id(m), "?") for m in state.modules) or "<root>"
-    # Backward starts with the root's parameters: keep them after forward, unless told
-    # otherwise explicitly (FSDP2 does the same for reshard_after_forward=None).
-    if not self.reshard_explicit:
-        self.reshard_after_forward = False
