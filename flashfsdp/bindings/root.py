@@ -18,6 +18,7 @@ from flashfsdp.runtime import trace
 from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
 from flashfsdp.runtime.unit import PendingReduce
 
+from .optimizer_check import register_optimizer_check
 from .structure import check_same_structure
 from .tree import map_tensors
 
@@ -117,7 +118,8 @@ def init_root(self: "FSDPState") -> None:
     """Make state ``self`` the root of every state in its module's subtree (lazy init).
 
     Collective over the units' communicators (once per unit and process): the units must be
-    the same on every rank (``structure.py``).
+    the same on every rank (``structure.py``). Registers the check of optimizers built before
+    ``fully_shard`` (``optimizer_check.py``).
 
     Raises:
         ValueError: ``set_max_inflight_all_gathers`` was called on a module of the subtree
@@ -141,6 +143,7 @@ def init_root(self: "FSDPState") -> None:
     # Before any all-gather (a model that differs by rank would abort it); a refused setting on
     # one rank alone is raised on every rank.
     check_same_structure(states, error)
+    register_optimizer_check()
     ctx = RootContext(root=self, states=states, policy=PrefetchPolicy(max_inflight=self.max_inflight),
                       is_last_backward=self.is_last_backward)
     for state in states:
