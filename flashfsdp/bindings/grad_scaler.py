@@ -175,7 +175,7 @@ class ShardedGradScaler(TorchShardedGradScaler):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         plan = plan_unscale(params, self._scale_value())
         for group in plan.groups:
             loss_scale.attach(group, self._loss_scale)

@@ -34,7 +34,7 @@ class UnscalePlan:
         explicit: factor -> parameters whose gradients need a pass multiplying by it;
             :data:`SCALED` stands for 1/S.
         groups: every flat group with a gradient among the parameters (to attach the scaler to).
-        comms: ``id(communicator) -> (communicator, its unit's device)`` of those groups' units.
+        comms: ``id(communicator) -> (communicator, its unit's device)`` of the parameters' units.
     """
 
     flags: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -44,17 +44,22 @@ class UnscalePlan:
 
 
 def plan_unscale(params: list[torch.Tensor], scale: float) -> UnscalePlan:
-    """Sort ``params`` (those with a ``.grad``) for unscaling by the loss scale ``scale``."""
+    """Sort the gradients of ``params`` for unscaling by the loss scale ``scale``. The
+    communicators are collected from every flashfsdp parameter, with a gradient on this rank or
+    not, so that all ranks choose the same one."""
     plan = UnscalePlan()
     by_group: dict[int, tuple[object, list[torch.Tensor]]] = {}
     for p in params:
         group = getattr(p, "_flashfsdp_group", None)
+        if group is not None:
+            unit = p._flashfsdp_unit
+            plan.comms.setdefault(id(unit.comm), (unit.comm, unit.device))
+        if p.grad is None:
+            continue
         if group is None:
             plan.explicit[SCALED].append(p)
             continue
         by_group.setdefault(id(group), (group, []))[1].append(p)
-        unit = p._flashfsdp_unit
-        plan.comms.setdefault(id(unit.comm), (unit.comm, unit.device))
     for group, mine in by_group.values():
         plan.groups.append(group)
         _sort_group(plan, group, mine, scale)

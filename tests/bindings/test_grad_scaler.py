@@ -258,3 +258,15 @@ def test_grad_replaced_by_hand_is_unscaled_explicitly(monkeypatch):
             opt.zero_grad()
     torch.testing.assert_close(first.grad, expected)
     assert scaler.steps_skipped == 1 and scaler.get_scale() == 2.0**7
+
+
+def test_flag_communicator_chosen_without_local_gradients():
+    """A rank without any gradient picks the same communicator for the flag as the ranks with
+    gradients (the units' one), else the collectives would not match."""
+    from flashfsdp.bindings.unscale import plan_unscale  # noqa: PLC0415
+
+    model = _sharded_fp16_mlp()
+    params = list(model.parameters())
+    assert all(p.grad is None for p in params)
+    plan = plan_unscale(params, 2.0**16)
+    assert len(plan.comms) == 1 and not plan.flags and not plan.explicit and not plan.groups
