@@ -269,4 +269,7 @@ def test_flag_communicator_chosen_without_local_gradients():
     params = list(model.parameters())
     assert all(p.grad is None for p in params)
     plan = plan_unscale(params, 2.0**16)
-    assert len(plan.comms) == 1 and not plan.flags and not plan.explicit and not plan.groups
+    assert plan.comms and not plan.flags and not plan.explicit and not plan.groups
+    x, y = make_batch("mlp", 0, 4)
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()
+    assert plan_unscale(params, 2.0**16).comms.keys() == plan.comms.keys()
