@@ -130,7 +130,8 @@ class ProcessGroupCommunicator(Communicator):
 class _AllReduceChunk(_TorchWork):
     """gloo's reduce-scatter: an all-reduce of a copy of the input in flight; ``wait()`` copies this
     rank's chunk of it into the output, divided by ``divisor`` (W for AVG, emulated with SUM)
-    unless it is 1 (see the Note: gloo reduce-scatter)."""
+    unless it is 1 (see the Note: gloo reduce-scatter). After ``wait()`` it holds no tensor: the
+    handle may outlive the step (a profile records it), the gradient shard must not."""
 
     def __init__(self, work: dist.Work, buffer: torch.Tensor, out: torch.Tensor, rank: int, divisor: int):
         super().__init__(work)
@@ -143,7 +144,7 @@ class _AllReduceChunk(_TorchWork):
             self._out.copy_(self._buffer.view(-1)[self._rank * n : (self._rank + 1) * n].view_as(self._out))
             if self._divisor != 1:
                 self._out.div_(self._divisor)
-            self._buffer = None
+            self._buffer = self._out = None  # a profile may keep this handle: let the tensors go
 
 
 class _DivideAfter(_TorchWork):
@@ -158,3 +159,4 @@ class _DivideAfter(_TorchWork):
         if self._work is not None:
             super().wait()
             self._result.div_(self._world_size)
+            self._result = None

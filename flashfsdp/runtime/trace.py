@@ -19,10 +19,12 @@ Timing source and accuracy:
   same stream counts its queueing time: that is why :meth:`Profile.summary` counts the *union* of
   a stream's spans. A collective that completes inside the issuing call (``LocalCommunicator`` at
   W = 1) ends when that call returns. A Work that cannot report its completion (a third-party
-  ``Communicator``) gets an upper bound, marked ``exact=False``: the start of its wait if it had
-  already completed then, else the end of the wait. A wait span runs from the call to ``wait()``
-  to the collective's completion (the thread's wake-up after the completion is not counted), so
-  every wait lies inside the communication it waited for.
+  ``Communicator``, or one still without a completion time when the next step starts) gets an
+  upper bound, marked ``exact=False``: the start of its wait if it had already completed then,
+  else the end of the wait. The profile reads each completion as soon as it is known and keeps no
+  Work handle past the next step, so it holds no tensor however long it stays open. A wait span
+  runs from the call to ``wait()`` to the collective's completion (the thread's wake-up after the
+  completion is not counted), so every wait lies inside the communication it waited for.
 - **CUDA**: events recorded on the spans' streams, resolved once at the end (one synchronisation,
   after the profiled region). A collective's span ends at an event recorded on its stream right
   after it was enqueued there: exact for ``NcclCommunicator``, which enqueues NCCL on that
@@ -130,23 +132,38 @@ class Span:
 
 
 class _CpuCompletion:
-    """The end of a CPU collective, read at resolve time (its completion callback has run by then).
+    """The end of a CPU collective, settled from its Work handles as soon as they tell it.
 
     ``works`` completed when the last of them did; without a completion time from every one, the
     end is bounded: ``waited`` if they had all completed before the wait started, else ``done``.
+    [Note: bounded profiles] :meth:`settle` turns the handles into that one time and lets them go,
+    so a profile held open over a whole run keeps no Work (nor anything a Work holds).
     """
 
-    __slots__ = ("works", "waited", "done", "completed_before")
+    __slots__ = ("works", "waited", "done", "completed_before", "_settled")
 
     def __init__(self, works: Sequence, waited: float, done: float, completed_before: bool):
         self.works, self.waited, self.done, self.completed_before = list(works), waited, done, completed_before
+        self._settled: tuple[float, bool] | None = None
+
+    def settle(self, final: bool) -> bool:
+        """Read the completion from the Works and drop them; without a time from every Work, only
+        when ``final`` (then the bound). Returns whether it is settled."""
+        if self._settled is None:
+            times = [w.completion_time() for w in self.works]
+            if times and all(t is not None for t in times):
+                self._settled = (max(times), True)
+            elif final:
+                self._settled = ((self.waited if self.completed_before else self.done), False)
+            else:
+                return False
+            self.works = []
+        return True
 
     def seconds(self) -> tuple[float, bool]:
         """(perf_counter seconds, exact)."""
-        times = [w.completion_time() for w in self.works]
-        if times and all(t is not None for t in times):
-            return max(times), True
-        return (self.waited if self.completed_before else self.done), False
+        self.settle(final=True)
+        return self._settled
 
 
 class _WaitEnd:
@@ -173,6 +190,7 @@ class Profile:
     _t0: float = field(default_factory=time.perf_counter)
     _t0_event: object = None
     _resolved: bool = False
+    _unsettled: list = field(default_factory=list)  # CPU completions still holding their Works
 
     # ---------------------------------------------------------------- recording
     def now(self, stream: "torch.cuda.Stream | None" = None):
@@ -213,13 +231,20 @@ class Profile:
                 self.add(f"wait_{kind}", unit, "compute", waited, done)
             return
         completion = _CpuCompletion(works, waited, done, completed_before)
+        if not completion.settle(final=False):  # gloo's callback has stamped it: settled at once
+            self._unsettled.append(completion)
         if wait_span:
             self.add(f"wait_{kind}", unit, "compute", waited, _WaitEnd(completion))
         self.add(kind, unit, kind, issued, completion)
 
     def next_step(self) -> None:
-        """Mark the start of a new training step (the root's forward calls it)."""
+        """Mark the start of a new training step (the root's forward calls it). Collectives of
+        the steps before whose Works still report no completion time are bounded now and let go
+        ([Note: bounded profiles])."""
         self.step += 1
+        for completion in self._unsettled:
+            completion.settle(final=True)
+        self._unsettled.clear()
 
     def resolve(self) -> None:
         """Turn every timestamp into microseconds from the start (synchronises CUDA once)."""
