@@ -19,8 +19,9 @@ import flashfsdp
 from flashfsdp import checkpoint
 from flashfsdp.kernels.dispatch import use_backend
 from flashfsdp.models.llama import Llama, LlamaConfig
+from tests.bindings.checkpointing import sharded_mlp
 from tests.harness import run_distributed
-from tests.models import llama_units, loss_fn, make_batch, make_mlp
+from tests.models import llama_units, loss_fn, make_batch
 from tests.training import (gather_full_optimizer_state, gather_full_params, local_rows, make_model, train_flashfsdp,
                             train_reference)
 
@@ -74,13 +75,6 @@ OPTIMIZERS = {"adam": lambda params: torch.optim.Adam(params, lr=0.1),
 SCHEDULED_LR = 0.1 * 0.5**2  # StepLR(gamma=0.5) after 2 steps
 
 
-def _sharded_mlp(seed: int = 0):
-    model = make_mlp(seed)
-    for unit in model.units():
-        flashfsdp.fully_shard(unit)
-    return model
-
-
 def _optimizer_result(model, opt) -> dict:
     return {"state": gather_full_optimizer_state(model, opt), "lr": opt.param_groups[0]["lr"],
             "params": gather_full_params(model)}
@@ -90,7 +84,7 @@ def _save_scheduled(rank, world_size, out) -> dict:
     """Adam and SGD (momentum) on the MLP, 2 steps with StepLR halving lr each step; saved to out/<name>."""
     saved = {}
     for name, make in OPTIMIZERS.items():
-        model = _sharded_mlp()
+        model = sharded_mlp()
         opt = make(model.parameters())
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         for step in range(2):
@@ -108,7 +102,7 @@ def _reload_scheduled(out) -> dict:
     """Each of out/<name> loaded into a fresh model and optimizer (other seed, lr 1.0)."""
     loaded = {}
     for name, make in OPTIMIZERS.items():
-        model = _sharded_mlp(seed=5)
+        model = sharded_mlp(seed=5)
         opt = make(model.parameters())
         for group in opt.param_groups:
             group["lr"] = 1.0
@@ -216,18 +210,14 @@ def test_model_only_and_sgd_momentum_round_trip_at_w1(tmp_path):
     with use_backend("reference"):
         torch.manual_seed(0)
         x = torch.randn(8, 7)
-        model = make_mlp()
-        for unit in model.units():
-            flashfsdp.fully_shard(unit)
+        model = sharded_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
         path = checkpoint.save(tmp_path / "sgd", model, opt, step=1, extra={"note": "sgd", "t": torch.ones(2)})
         model_only = checkpoint.save(tmp_path / "model_only", model, step=1)
-        fresh = make_mlp(seed=5)
-        for unit in fresh.units():
-            flashfsdp.fully_shard(unit)
+        fresh = sharded_mlp(seed=5)
         fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
         with pytest.raises(ValueError, match="has no optimizer state; pass optimizer=None"):
             checkpoint.load(model_only, fresh, fresh_opt)

@@ -104,8 +104,10 @@ def test_corrupt_metadata_is_named(saved, content):
         f.write(content)
     model, opt = _trained(seed=1)
     before = _snapshot(model, opt)
-    with pytest.raises(ValueError, match=f"checkpoint {saved} has a corrupt DCP metadata file {saved}/.metadata"):
+    with pytest.raises(ValueError, match=f"load: {saved}/.metadata fails its checksum .*it holds DCP's metadata"):
         checkpoint.load(saved, model, opt)
+    with pytest.raises(ValueError, match=f"checkpoint {saved} has a corrupt DCP metadata file {saved}/.metadata"):
+        checkpoint.load(saved, model, opt, verify=False)
     _assert_unchanged(before, model, opt)
 
 
@@ -119,8 +121,10 @@ def test_corrupt_extra_leaves_model_and_optimizer_unchanged(saved, content):
             f.write(content)
     for model, opt in (_trained(seed=1), _sharded(seed=2)):  # with optimizer state, and a fresh one
         before = _snapshot(model, opt)
-        with pytest.raises(ValueError, match=f"checkpoint {saved} has a corrupt extra.pt .{extra}"):
+        with pytest.raises(ValueError, match=f"load: {extra} fails its checksum .*it holds the extra dict"):
             checkpoint.load(saved, model, opt)
+        with pytest.raises(ValueError, match=f"checkpoint {saved} has a corrupt extra.pt .{extra}"):
+            checkpoint.load(saved, model, opt, verify=False)
         _assert_unchanged(before, model, opt)
 
 

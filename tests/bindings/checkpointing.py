@@ -1,0 +1,36 @@
+"""Helpers of the checkpoint tests: small sharded models, their values, the reference kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashfsdp
+from flashfsdp.kernels.dispatch import use_backend
+from tests.models import make_mlp
+
+
+@pytest.fixture
+def reference_kernels():
+    """The plain-torch kernels (the Triton interpreter is slow and beside the point here)."""
+    with use_backend("reference"):
+        yield
+
+
+def sharded_mlp(seed: int = 0):
+    """The test MLP from ``seed``, every unit fully_shard'ed (at the current world size)."""
+    model = make_mlp(seed)
+    for unit in model.units():
+        flashfsdp.fully_shard(unit)
+    return model
+
+
+def local_values(model) -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter, cloned, by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_values(model, values: dict[str, torch.Tensor]) -> None:
+    """``model``'s local pieces equal ``values`` exactly."""
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), values[name], rtol=0, atol=0, msg=name)
