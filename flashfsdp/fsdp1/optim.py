@@ -107,8 +107,11 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
 
 
 def _local(value, param: nn.Parameter, name: str):
-    """This rank's piece of a per-element state value of a sharded parameter (else as it is)."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or not hasattr(param, "_flashfsdp_piece"):
+    """This rank's piece of a per-element state value of a sharded parameter, in memory of its own
+    (a loaded ``step`` must not alias the saved optimizer's, which steps it in place)."""
+    if not isinstance(value, torch.Tensor):
         return value
+    if value.dim() == 0 or not hasattr(param, "_flashfsdp_piece"):
+        return value.clone()
     piece = local_piece_of(value, param, name)
     return piece.clone() if piece is not value else piece

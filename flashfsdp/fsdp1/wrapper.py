@@ -38,7 +38,7 @@ from flashfsdp.bindings.clip_grad import clip_grad_norm_ as sharded_clip_grad_no
 from flashfsdp.bindings.fully_shard import fully_shard
 from flashfsdp.bindings.state import _cast_floating
 
-from . import api, module_init, optim, sharding, state_dict_type as sdt, summon, wrap
+from . import api, module_init, optim as optim_sd, sharding, state_dict_type as sdt, summon, wrap
 from .api import BackwardPrefetch, ShardingStrategy, StateDictType
 
 
@@ -303,7 +303,7 @@ class FullyShardedDataParallel(nn.Module):
         if optim_state_dict is not None or group is not None:
             raise NotImplementedError("optim_state_dict: pass only model and optim; the optimizer's own state and "
                                       "the model's process groups are used")
-        return optim.optim_state_dict(model, optim, FullyShardedDataParallel)
+        return optim_sd.optim_state_dict(model, optim, FullyShardedDataParallel)
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,
@@ -316,7 +316,7 @@ class FullyShardedDataParallel(nn.Module):
         """
         if is_named_optimizer or group is not None:
             raise NotImplementedError("optim_state_dict_to_load: is_named_optimizer and group are not supported")
-        result = optim.optim_state_dict_to_load(model, optim, optim_state_dict, FullyShardedDataParallel)
+        result = optim_sd.optim_state_dict_to_load(model, optim, optim_state_dict, FullyShardedDataParallel)
         if load_directly:
             optim.load_state_dict(result)
         return result
