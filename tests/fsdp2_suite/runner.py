@@ -147,6 +147,13 @@ def run_cases(module_name: str, jobs: list[tuple[str, str]], world_size: int) ->
     return outcomes
 
 
+def _save(obj: dict, path: str) -> None:
+    """Write ``obj`` whole or not at all: a rank killed while writing (its peer failed a case and
+    the parent stops every rank) leaves no truncated file behind."""
+    torch.save(obj, path + ".part")
+    os.replace(path + ".part", path)
+
+
 def _load(tmp: str, rank: int, index: int):
     path = os.path.join(tmp, f"rank{rank}-{index}.pt")
     return torch.load(path, weights_only=False) if os.path.exists(path) else None
@@ -212,9 +219,9 @@ def _worker(rank: int, world_size: int, module_name: str, jobs, tmp: str) -> Non
             torch.manual_seed(0)
             with use_backend("reference"):
                 result = cases.cases[name].fn(rank, world_size, impl_named(impl))
-            torch.save({"ok": result}, path)
+            _save({"ok": result}, path)
             dist.barrier()
         except BaseException:
-            torch.save({"error": traceback.format_exc()}, path)
+            _save({"error": traceback.format_exc()}, path)
             os._exit(1)  # the other ranks may be inside a collective: do not try to resume
     dist.destroy_process_group()
