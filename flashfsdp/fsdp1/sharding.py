@@ -4,20 +4,12 @@
 FULL_SHARD               a unit over the group (1-D mesh), ``reshard_after_forward=True``
 SHARD_GRAD_OP            the same, ``reshard_after_forward=False``
 NO_SHARD                 see [Note: NO_SHARD]
-HYBRID_SHARD             a unit over a 2-D mesh (replicate, shard): sharded within each shard
-                         group, gradients all-reduced across the replicas (``fully_shard``'s HSDP)
-_HYBRID_SHARD_ZERO2      the same, ``reshard_after_forward=False``
-=======================  ==========================================================================
-
-[Note: NO_SHARD]
-FSDP1's NO_SHARD keeps every parameter whole on every rank and all-reduces the gradients (DDP). A
-unit over a group of one rank holds its parameters whole (its "shard" is the full flat buffer, its
-all-gather and reduce-scatter are local), so each NO_SHARD unit is such a unit, plus an
-all-reduce of its reduced gradient across the real group before the gradient is accumulated
-(``FSDPModule.set_all_reduce_hook``), divided by the group's world size: pre-divided by
-``f_pre`` before the all-reduce and post-divided by ``f_post`` after it, as FSDP1 does for
-low-precision reductions (``runtime/reduce.gradient_divide_factors``). ``no_sync`` skips the
-all-reduce with the rest of the reduction.
+FSDP1's NO_SHARD keeps every parameter whole on every rank and all-reduces the gradients (DDP).
+That is HSDP with shard groups of one rank: each NO_SHARD unit is built on the 2-D mesh of shape
+(W, 1) with dims (replicate, shard) over the group, so its "shard" is the whole flat buffer (its
+all-gather and reduce-scatter are local) and the runtime all-reduces each reduced gradient across
+the W replicas, divided by W as FSDP1 does (pre- and post-divided for low-precision reductions,
+``runtime/reduce.py``); ``no_sync`` skips the all-reduce with the rest of the reduction.
 """
 
 from __future__ import annotations
@@ -29,7 +21,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from flashfsdp.runtime.comm_factory import default_group
-from flashfsdp.runtime.reduce import gradient_divide_factors
 
 from .api import HYBRID_STRATEGIES, ShardingStrategy
 
@@ -42,12 +33,10 @@ class Sharding:
 
     Attributes:
         mesh: ``fully_shard``'s mesh (None: the default group).
-        replicate_group: NO_SHARD: the group the gradients are all-reduced over; else None.
         sync_groups: the groups ``sync_module_states`` broadcasts over, in order (their rank 0s).
     """
 
     mesh: DeviceMesh | None
-    replicate_group: object
     sync_groups: tuple
 
 
@@ -74,7 +63,7 @@ def resolve(strategy: ShardingStrategy, process_group, device_mesh, device_type:
                 f"'shard')), or process_group=(intra_node_group, inter_node_group); got "
                 f"{'a 1-D device_mesh' if device_mesh is not None else 'one process group'}")
         mesh = _hybrid_mesh(process_group, device_mesh, device_type)
-        return Sharding(mesh, None, (mesh.get_group(1), mesh.get_group(0)))
+        return Sharding(mesh, (mesh.get_group(1), mesh.get_group(0)))
     if two_d:
         raise ValueError(
             f"FullyShardedDataParallel: a 2-D device_mesh or a pair of process groups is for HYBRID_SHARD / "
@@ -83,10 +72,10 @@ def resolve(strategy: ShardingStrategy, process_group, device_mesh, device_type:
         raise ValueError(f"FullyShardedDataParallel: device_mesh must be 1-D or 2-D, got {device_mesh.ndim} dims")
     group = device_mesh.get_group() if device_mesh is not None else (process_group or default_group())
     if strategy is ShardingStrategy.NO_SHARD and group is not None and dist.get_world_size(group) > 1:
-        return Sharding(_single_rank_mesh(group, device_type), group, (group,))
+        return Sharding(_replicated_mesh(group, device_type), (group,))
     mesh = device_mesh if device_mesh is not None else (
         DeviceMesh.from_group(process_group, device_type) if process_group is not None else None)
-    return Sharding(mesh, None, (group,) if group is not None else ())
+    return Sharding(mesh, (group,) if group is not None else ())
 
 
 def _hybrid_mesh(process_group, device_mesh, device_type: str) -> DeviceMesh:
@@ -107,29 +96,14 @@ def _hybrid_mesh(process_group, device_mesh, device_type: str) -> DeviceMesh:
                                  mesh_dim_names=HSDP_DIM_NAMES)
 
 
-_single_rank_meshes: dict[int, DeviceMesh] = {}
+_replicated_meshes: dict[int, DeviceMesh] = {}
 
 
-def _single_rank_mesh(group, device_type: str) -> DeviceMesh:
-    """This rank's 1-rank mesh out of ``group`` (collective the first time for a group: every
-    rank of it builds one group per rank)."""
+def _replicated_mesh(group, device_type: str) -> DeviceMesh:
+    """The (W, 1) (replicate, shard) mesh over ``group``'s ranks (see [Note: NO_SHARD]); built
+    once per group (collective the first time: every rank builds its subgroups)."""
     key = id(group)
-    if key not in _single_rank_meshes:
-        ranks = dist.get_process_group_ranks(group)
-        mine, _ = dist.new_subgroups_by_enumeration([[r] for r in ranks])
-        _single_rank_meshes[key] = DeviceMesh.from_group(mine, device_type)
-    return _single_rank_meshes[key]
-
-
-def install_no_shard_all_reduce(module, group, reduce_dtype: torch.dtype) -> None:
-    """Give the NO_SHARD unit of ``module`` its gradient all-reduce over ``group`` (see
-    [Note: NO_SHARD]); ``reduce_dtype``: the dtype its gradients are reduced in."""
-    f_pre, f_post = gradient_divide_factors(dist.get_world_size(group), reduce_dtype)
-
-    def all_reduce(reduced: torch.Tensor) -> None:
-        if f_pre != 1.0:
-            reduced.div_(f_pre)
-        dist.all_reduce(reduced, group=group)
-
-    module.set_all_reduce_hook(all_reduce)
-    module.set_gradient_divide_factor(f_post)
+    if key not in _replicated_meshes:
+        ranks = torch.tensor(dist.get_process_group_ranks(group)).reshape(-1, 1)
+        _replicated_meshes[key] = DeviceMesh(device_type, ranks, mesh_dim_names=HSDP_DIM_NAMES)
+    return _replicated_meshes[key]

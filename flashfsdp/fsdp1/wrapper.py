@@ -116,7 +116,7 @@ class FullyShardedDataParallel(nn.Module):
         fully_shard(module, mesh=plan.mesh, reshard_after_forward=api.RESHARD_AFTER_FORWARD[strategy],
                     mp_policy=mp_policy, offload_policy=offload, ignored_params=ignored_params)
         self._fsdp_wrapped_module = module
-        _configure_unit(module, plan, mp_policy, forward_prefetch, backward_prefetch)
+        _configure_unit(module, forward_prefetch, backward_prefetch)
         for inner in FullyShardedDataParallel.fsdp_modules(module):
             inner._fsdp_is_root = False
         sdt.install_hooks(self)
@@ -322,16 +322,12 @@ class FullyShardedDataParallel(nn.Module):
         return result
 
 
-def _configure_unit(module: nn.Module, plan, mp_policy, forward_prefetch: bool, backward_prefetch) -> None:
-    """The unit's prefetch settings and, under NO_SHARD, its gradient all-reduce."""
+def _configure_unit(module: nn.Module, forward_prefetch: bool, backward_prefetch) -> None:
+    """The unit's prefetch settings (see [Note: FSDP1 prefetching])."""
     if not forward_prefetch:
         module.set_modules_to_forward_prefetch([])
     if backward_prefetch is None:
         module.set_modules_to_backward_prefetch([])
-    if plan.replicate_group is not None:
-        params = [p for p in module.parameters() if hasattr(p, "_flashfsdp_piece")]
-        dtype = mp_policy.reduce_dtype or mp_policy.param_dtype or (params[0].dtype if params else torch.float32)
-        sharding.install_no_shard_all_reduce(module, plan.replicate_group, dtype)
 
 
 def _default_device() -> torch.device:
