@@ -3,7 +3,13 @@
 =======================  ==========================================================================
 FULL_SHARD               a unit over the group (1-D mesh), ``reshard_after_forward=True``
 SHARD_GRAD_OP            the same, ``reshard_after_forward=False``
-NO_SHARD                 see [Note: NO_SHARD]
+NO_SHARD                 a unit on the (W, 1) mesh, see [Note: NO_SHARD]
+HYBRID_SHARD             a unit over a 2-D mesh (replicate, shard): sharded within each shard
+                         group, gradients all-reduced across the replicas (``fully_shard``'s HSDP)
+_HYBRID_SHARD_ZERO2      the same, ``reshard_after_forward=False``
+=======================  ==========================================================================
+
+[Note: NO_SHARD]
 FSDP1's NO_SHARD keeps every parameter whole on every rank and all-reduces the gradients (DDP).
 That is HSDP with shard groups of one rank: each NO_SHARD unit is built on the 2-D mesh of shape
 (W, 1) with dims (replicate, shard) over the group, so its "shard" is the whole flat buffer (its
