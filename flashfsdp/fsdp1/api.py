@@ -63,7 +63,8 @@ def check_sharding_strategy(value) -> ShardingStrategy:
     if value is None:
         return ShardingStrategy.FULL_SHARD
     if not isinstance(value, ShardingStrategy):
-        raise TypeError(f"FullyShardedDataParallel: sharding_strategy must be a ShardingStrategy or None, got {value!r}")
+        raise TypeError(f"FullyShardedDataParallel: sharding_strategy must be a ShardingStrategy or None, "
+                        f"got {value!r}")
     return value
 
 
@@ -74,7 +75,8 @@ def check_backward_prefetch(value) -> BackwardPrefetch | None:
         TypeError: anything else.
     """
     if value is not None and not isinstance(value, BackwardPrefetch):
-        raise TypeError(f"FullyShardedDataParallel: backward_prefetch must be a BackwardPrefetch or None, got {value!r}")
+        raise TypeError(f"FullyShardedDataParallel: backward_prefetch must be a BackwardPrefetch or None, "
+                        f"got {value!r}")
     return value
 
 

@@ -40,7 +40,8 @@ def ignored_states(module: nn.Module, ignored_modules, ignored_states) -> tuple[
     if params and modules:
         raise ValueError("FullyShardedDataParallel: ignored_states must be all parameters or all modules, not a mix")
     if ignored_modules is not None and params:
-        raise TypeError("FullyShardedDataParallel: ignored_modules must hold modules; pass parameters as ignored_states")
+        raise TypeError("FullyShardedDataParallel: ignored_modules must hold modules; pass parameters as "
+                        "ignored_states")
     if module in modules:
         raise ValueError(f"FullyShardedDataParallel: the wrapped {type(module).__name__} itself cannot be ignored")
     expanded = {m for root in modules for m in root.modules()}
@@ -81,7 +82,8 @@ def resolve_device_id(device_id) -> torch.device | None:
     if device_id is None:
         return None
     if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
-        raise TypeError(f"FullyShardedDataParallel: device_id must be an int, a torch.device or None, got {device_id!r}")
+        raise TypeError(f"FullyShardedDataParallel: device_id must be an int, a torch.device or None, "
+                        f"got {device_id!r}")
     device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
     if device.type == "cuda":
         if not torch.cuda.is_available():

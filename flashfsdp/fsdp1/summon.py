@@ -42,8 +42,8 @@ def check_args(wrapper, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
                                   f"offload_to_cpu=False (got use_orig_params={wrapper._fsdp_use_orig_params}, "
                                   f"offload_to_cpu={offload_to_cpu}), as in FSDP1")
     if writeback and rank0_only:
-        raise NotImplementedError("summon_full_params: writeback=True and rank0_only=True is not supported: only rank 0 "
-                                  "would hold full parameters to write back; pass writeback=False")
+        raise NotImplementedError("summon_full_params: writeback=True and rank0_only=True is not supported: "
+                                  "only rank 0 would hold full parameters to write back; pass writeback=False")
     if offload_to_cpu and not rank0_only:
         warnings.warn("summon_full_params: offload_to_cpu=True and rank0_only=False copies the full parameters to CPU "
                       "memory on every rank; offload_to_cpu=True with rank0_only=True is recommended", stacklevel=4)

@@ -124,7 +124,8 @@ def train_against_reference(rank: int, world_size: int, impl, model: nn.Module, 
         got, want = full_params(impl, fsdp_model), dict(ref.named_parameters())
         assert list(got) == list(want), f"parameter names {list(got)} vs the reference's {list(want)}"
         for name, value in got.items():
-            torch.testing.assert_close(value, want[name].detach(), **tol, msg=lambda m, n=name: f"step {step}, {n}: {m}")
+            torch.testing.assert_close(value, want[name].detach(), **tol,
+                                       msg=lambda m, n=name: f"step {step}, {n}: {m}")
     return losses, norms, full_params(impl, fsdp_model)
 
 

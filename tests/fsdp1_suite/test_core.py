@@ -13,7 +13,6 @@ variants; ``test_fsdp_misc`` ``device_id``, ``sync_module_states``, ``param_init
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 

@@ -25,7 +25,8 @@ from tests.fsdp1_suite.common import (
 from tests.fsdp2_suite.runner import CaseSet
 
 cases = CaseSet(__name__)
-EXP_AVG_REASON = ("torch 2.13's FSDP1 on CPU gives (and loads) a full Adam exp_avg other than the replicated reference's "
+EXP_AVG_REASON = ("torch 2.13's FSDP1 on CPU gives (and loads) a full Adam exp_avg other than the replicated "
+                  "reference's "
                   "(exp_avg_sq and step match)")
 
 

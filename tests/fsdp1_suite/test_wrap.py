@@ -48,7 +48,8 @@ def transformer_policy(rank, world_size, impl):
 @cases.case()
 def size_based_policy(rank, world_size, impl):
     """``min_num_params=200``: each Block's remainder (after its linears) and the head qualify."""
-    return _wrap_and_train(rank, world_size, impl, functools.partial(policies.size_based_auto_wrap_policy, min_num_params=200))
+    policy = functools.partial(policies.size_based_auto_wrap_policy, min_num_params=200)
+    return _wrap_and_train(rank, world_size, impl, policy)
 
 
 @cases.case()
