@@ -54,6 +54,13 @@ def raise_agreed(payloads: list[tuple[str, str] | None], cause: BaseException | 
             raise cls(message + suffix) from cause
 
 
+def raise_own(exc: BaseException | None) -> None:
+    """Raise ``exc`` itself if there is one: where no other rank has to learn of it (W = 1, or
+    every rank already knows it failed the same way)."""
+    if exc is not None:
+        raise exc
+
+
 def agree(exc: BaseException | None) -> None:
     """Collective: every rank passes its error or None; if any rank failed, every rank raises.
 
@@ -71,7 +78,7 @@ def agree_and_gather(exc: BaseException | None, value: Any) -> list:
         The first error of any rank, on every rank (this rank's own ``exc`` chained as the cause).
     """
     if global_world_size() == 1:
-        raise_agreed([error_payload(exc)], exc)
+        raise_own(exc)
         return [value]
     gathered: list = [None] * global_world_size()
     dist.all_gather_object(gathered, (error_payload(exc), value))
@@ -131,7 +138,7 @@ def agree_in_group(comm: Communicator, exc: BaseException | None, device: torch.
     W = 1.
     """
     if comm.world_size == 1:
-        raise_agreed([error_payload(exc)], exc)
+        raise_own(exc)
         return
     flag = torch.tensor([0 if exc is None else 1], dtype=torch.int32, device=device)
     comm.all_reduce(flag, op="max").wait()

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from flashfsdp.runtime.communicator import Communicator
 
-from .agreement import error_payload, raise_agreed, raise_group_errors
+from .agreement import raise_group_errors, raise_own
 from .init_window import close_init_windows
 
 
@@ -62,7 +62,7 @@ def clip_grad_norm_(
     grads = [p.grad for p in params if p.grad is not None]
     comms = unit_communicators(params)
     if not grads and not comms:
-        raise_agreed([error_payload(error)], error)
+        raise_own(error)
         return torch.tensor(0.0)
     device = grads[0].device if grads else next(iter(comms.values()))[1]
     total_norm = total_grad_norm(params, norm_type, device, comms, error, error_if_nonfinite)
@@ -137,7 +137,7 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.
         nonfinite_elsewhere = nonfinite_elsewhere or (error_if_nonfinite and payload[2].item() > 0)
         part = payload[0].to(device)
         total = torch.maximum(total, part) if is_inf else total + part
-    raise_agreed([error_payload(error)], error)  # (no communicator: this rank's own)
+    raise_own(error)  # (no communicator, or the device assertion tells the other ranks)
     total = total if is_inf else total ** (1.0 / norm_type)
     if error_if_nonfinite and (nonfinite_elsewhere or not torch.isfinite(total)):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is not finite ({total.item()} on "

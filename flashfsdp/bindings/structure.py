@@ -17,7 +17,7 @@ import json
 import weakref
 from typing import Iterable
 
-from .agreement import all_gather_bytes, all_gather_fixed, error_payload, raise_agreed
+from .agreement import all_gather_bytes, all_gather_fixed, error_payload, raise_agreed, raise_own
 
 # Units already found identical on every rank (weakly: a unit's state dies with its module).
 _checked: "weakref.WeakSet" = weakref.WeakSet()
@@ -71,7 +71,7 @@ def check_same_structure(states: Iterable, error: BaseException | None = None) -
             everyone = [json.loads(b) for b in all_gather_bytes(comm, encoded, device)]
             raise_agreed([tuple(rows[0][1:]) if rows and rows[0][0] == "error" else None for rows in everyone], error)
             raise ValueError(describe_difference(everyone))
-    raise_agreed([error_payload(error)], error)  # the same error on every rank (or W = 1): this rank's own
+    raise_own(error)  # the same error on every rank (or W = 1)
     for group_states in by_comm.values():
         _checked.update(group_states)
 
