@@ -32,6 +32,10 @@ class Work(abc.ABC):
         """Whether the collective has finished (non-blocking; traces use it to bound CPU work)."""
         return True
 
+    def set_unit(self, unit: str) -> None:
+        """Name the unit this collective serves, for errors about it (an NCCL timeout names the
+        collective and the unit); the default ignores it."""
+
     def track_completion(self) -> None:
         """Start recording when the collective completes, for :meth:`completion_time` (CPU).
 

@@ -13,17 +13,34 @@ torchrun) already set up: no second rendezvous. Its store key is the group's ran
 per-process counter of communicators created so far, so every rank of a group must create its
 NcclCommunicators in the same order (as it does when every rank makes the same ``fully_shard``
 calls in the same order); a rank that creates one more or one fewer waits on a key the others
-never set.
+never set. The id goes through the store as plain bytes and is read back in the range of this
+platform's C ``char`` (see [Note: the unique id's bytes] in ``nccl_env.py``).
+
+Failures (see ``nccl_watchdog.py``): every collective gets a deadline (``timeout``); a watchdog
+thread polls NCCL's asynchronous error and the deadlines and, on a failure, aborts the
+communicator (``ncclCommAbort``) and the next call raises :class:`CollectiveError` naming the
+collective and the unit. Communicators are destroyed (``ncclCommDestroy``, or aborted if a
+collective is still in flight) when their process group is destroyed with
+``torch.distributed.destroy_process_group``, not at interpreter exit, where the other ranks may be
+gone already.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import itertools
+import os
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from .communicator import Communicator, ReduceOpName, Work, check_collective_sizes, check_reduce_op
+from .nccl_env import char_is_signed, import_nccl, unique_id_from_bytes, unique_id_to_bytes
+from .nccl_watchdog import CollectiveError, CollectiveTimeout, Watchdog
+
+__all__ = ["NcclCommunicator", "CollectiveError", "CollectiveTimeout", "DEFAULT_TIMEOUT_S", "destroy_communicators"]
 
 # ncclDataType_t and ncclRedOp_t values from nccl.h (stable across NCCL 2.x).
 _NCCL_DTYPES = {
@@ -37,34 +54,38 @@ _NCCL_DTYPES = {
     torch.int8: 0,
 }
 _NCCL_OPS = {"sum": 0, "max": 2, "avg": 4}
+DEFAULT_TIMEOUT_S = 600.0  # torch's default NCCL process-group timeout (10 minutes)
 _id_counter = itertools.count()
-
-
-def _import_nccl():
-    try:
-        from cupy.cuda import nccl  # noqa: PLC0415
-    except Exception as exc:  # ImportError, or CuPy failing to find a CUDA driver
-        raise RuntimeError(
-            "NcclCommunicator needs CuPy built with NCCL: install flashfsdp with the extra that "
-            "matches your CUDA (pip install 'flashfsdp[cuda12]' or 'flashfsdp[cuda13]'); "
-            f"importing cupy.cuda.nccl failed with: {exc}"
-        ) from exc
-    if not getattr(nccl, "available", True):
-        raise RuntimeError("NcclCommunicator: CuPy was built without NCCL; install nvidia-nccl-cu12/cu13")
-    return nccl
+_live: "weakref.WeakSet[NcclCommunicator]" = weakref.WeakSet()
 
 
 class _NcclWork(Work):
-    def __init__(self, event: torch.cuda.Event, keepalive: tuple[torch.Tensor, ...]):
+    def __init__(self, event: torch.cuda.Event, keepalive: tuple[torch.Tensor, ...], watchdog: Watchdog, entry):
         self._event = event
         self._keepalive = keepalive
+        self._watchdog = watchdog
+        self._entry = entry
+
+    def set_unit(self, unit: str) -> None:
+        self._entry.unit = unit
 
     def wait(self) -> None:
+        self._watchdog.raise_if_failed()
         torch.cuda.current_stream().wait_event(self._event)
         self._keepalive = ()
 
     def is_completed(self) -> bool:
         return self._event.query()
+
+
+def _timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
+    """Seconds from ``timeout``; None: ``FLASHFSDP_NCCL_TIMEOUT`` (seconds) or DEFAULT_TIMEOUT_S."""
+    if timeout is None:
+        timeout = float(os.environ.get("FLASHFSDP_NCCL_TIMEOUT", DEFAULT_TIMEOUT_S))
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"NcclCommunicator: timeout must be > 0 seconds, got {timeout!r}")
+    return seconds
 
 
 class NcclCommunicator(Communicator):
@@ -77,13 +98,20 @@ class NcclCommunicator(Communicator):
         group: the process group whose ranks form the NCCL communicator (default: world). Only its
             store is used, to pass the NCCL unique id.
         device: the CUDA device of this rank (default: ``torch.cuda.current_device()``).
+        timeout: how long a collective may take before the communicator is aborted and the next
+            call raises :class:`CollectiveTimeout` (seconds or a timedelta; default: the
+            ``FLASHFSDP_NCCL_TIMEOUT`` environment variable in seconds, else 600 s as torch's NCCL).
 
     Raises:
-        RuntimeError: without CUDA (``torch.cuda.is_available()`` false), without CuPy/NCCL, or if
-            torch.distributed is not initialised; each message says what to do instead.
+        RuntimeError: without CUDA (``torch.cuda.is_available()`` false), without CuPy/NCCL, with a
+            CuPy built for another CUDA major version than torch, or if torch.distributed is not
+            initialised; each message says what to do instead.
+        ValueError: a timeout that is not positive.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | int | None = None,
+                 timeout: float | datetime.timedelta | None = None):
+        timeout_s = _timeout_seconds(timeout)
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "NcclCommunicator needs a CUDA device, but torch.cuda.is_available() is False on this "
@@ -94,35 +122,85 @@ class NcclCommunicator(Communicator):
                 "NcclCommunicator: torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group() first (its store carries the NCCL unique id)"
             )
-        nccl = _import_nccl()
+        nccl = import_nccl()
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         if device is None:
             device = torch.cuda.current_device()
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        self._comm = self._create(nccl)
+        me = weakref.ref(self)  # the watchdog thread must not keep the communicator alive
+        self._watchdog = Watchdog(f"NcclCommunicator(rank {self.rank} of {self.world_size}, {self.device})",
+                                  timeout_s, lambda: _call(me, "abort"), lambda: _call(me, "_check_async_error"))
+        self._watchdog.start()
+        _install_destroy_hook()
+        _live.add(self)
+
+    def _create(self, nccl):
+        """The CuPy communicator, after passing the unique id from rank 0 through the store."""
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(self.group)
         key = f"flashfsdp/nccl_uid/{'_'.join(map(str, ranks[:8]))}_{len(ranks)}/{next(_id_counter)}"
         if self.rank == 0:
-            uid = nccl.get_unique_id()
-            store.set(key, bytes(bytearray(b & 0xFF for b in uid)))
+            store.set(key, unique_id_to_bytes(nccl.get_unique_id()))
         raw = store.get(key)
-        uid = tuple(b if b < 128 else b - 256 for b in raw)
         import cupy  # noqa: PLC0415
 
+        signed = char_is_signed()
         with cupy.cuda.Device(self.device.index):
-            self._comm = nccl.NcclCommunicator(self.world_size, uid, self.rank)
+            try:
+                return nccl.NcclCommunicator(self.world_size, unique_id_from_bytes(raw, signed), self.rank)
+            except OverflowError:  # this build's char is the other kind: the conversion ran before any init
+                return nccl.NcclCommunicator(self.world_size, unique_id_from_bytes(raw, not signed), self.rank)
 
-    def _enqueue(self, call, *tensors: torch.Tensor) -> Work:
+    # ------------------------------------------------------------------ failures and teardown
+    def _check_async_error(self) -> None:
+        comm = self._comm
+        if comm is not None:
+            comm.check_async_error()
+
+    def abort(self) -> None:
+        """``ncclCommAbort``: collectives in flight return at once (their results are undefined);
+        every later call raises. Safe to call from the watchdog thread and more than once."""
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort()
+
+    def destroy(self) -> None:
+        """Release the NCCL communicator: ``ncclCommDestroy`` once every collective issued has
+        completed, ``ncclCommAbort`` if one failed or is still in flight after the timeout.
+        Called for every communicator of a group by ``torch.distributed.destroy_process_group``."""
+        if self._comm is None:
+            self._watchdog.stop()
+            return
+        try:
+            self._watchdog.wait_until(lambda: not self._watchdog.in_flight())
+        except CollectiveError:
+            pass  # the watchdog aborted the communicator already
+        self._watchdog.stop()
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.destroy()
+
+    def _live_comm(self):
+        self._watchdog.raise_if_failed()
+        if self._comm is None:
+            raise RuntimeError(f"{self._watchdog.name} was destroyed (its process group was destroyed); "
+                               f"fully_shard again after init_process_group to get a new one")
+        return self._comm
+
+    # ------------------------------------------------------------------ collectives
+    def _enqueue(self, name: str, call, *tensors: torch.Tensor) -> Work:
         for t in tensors:
             if t.device != self.device:
-                raise ValueError(f"NcclCommunicator: tensor on {t.device}, communicator on {self.device}")
+                raise ValueError(f"NcclCommunicator: {name}: tensor on {t.device}, communicator on {self.device}")
+        comm = self._live_comm()
         stream = torch.cuda.current_stream(self.device)
-        call(stream.cuda_stream)
+        call(comm, stream.cuda_stream)
         event = torch.cuda.Event()
         event.record(stream)
-        return _NcclWork(event, tensors)
+        return _NcclWork(event, tensors, self._watchdog, self._watchdog.register(name, event.query))
 
     @staticmethod
     def _dtype(t: torch.Tensor) -> int:
@@ -134,7 +212,8 @@ class NcclCommunicator(Communicator):
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         check_collective_sizes("all_gather_into_tensor", out, inp, self.world_size)
         return self._enqueue(
-            lambda s: self._comm.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), self._dtype(inp), s),
+            "all_gather_into_tensor",
+            lambda c, s: c.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), self._dtype(inp), s),
             out, inp,
         )
 
@@ -142,24 +221,65 @@ class NcclCommunicator(Communicator):
         check_reduce_op(op)
         check_collective_sizes("reduce_scatter_tensor", inp, out, self.world_size)
         return self._enqueue(
-            lambda s: self._comm.reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(), self._dtype(out), _NCCL_OPS[op], s),
+            "reduce_scatter_tensor",
+            lambda c, s: c.reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(), self._dtype(out), _NCCL_OPS[op], s),
             out, inp,
         )
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)
         return self._enqueue(
-            lambda s: self._comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), _NCCL_OPS[op], s),
+            "all_reduce",
+            lambda c, s: c.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), _NCCL_OPS[op], s),
             tensor,
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         return self._enqueue(
-            lambda s: self._comm.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s),
+            "broadcast",
+            lambda c, s: c.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s),
             tensor,
         )
 
     def barrier(self) -> None:
+        """All-reduce one element and wait for it on the host, polling the watchdog (a rank that
+        never arrives raises :class:`CollectiveTimeout` after the timeout instead of hanging)."""
         flag = torch.zeros(1, device=self.device)
-        self.all_reduce(flag).wait()
-        torch.cuda.current_stream(self.device).synchronize()
+        work = self.all_reduce(flag)
+        self._watchdog.wait_until(work.is_completed)
+
+
+def _call(ref: "weakref.ref[NcclCommunicator]", method: str) -> None:
+    comm = ref()
+    if comm is not None:
+        getattr(comm, method)()
+
+
+def destroy_communicators(group=None) -> int:
+    """Destroy the live NcclCommunicators over ``group`` (None: all of them); returns how many.
+    ``torch.distributed.destroy_process_group`` calls it (see :func:`_install_destroy_hook`)."""
+    everything = group is None or group is dist.group.WORLD  # torch destroys every group then
+    doomed = [c for c in list(_live) if everything or c.group is group]
+    for comm in doomed:
+        comm.destroy()
+        _live.discard(comm)
+    return len(doomed)
+
+
+def _install_destroy_hook() -> None:
+    """Make ``torch.distributed.destroy_process_group(group)`` destroy the NcclCommunicators over
+    ``group`` (every one for None) before the group itself (installed once; torch offers no
+    callback for it). Code that imported the function by name before this ran calls torch's
+    directly: call :func:`destroy_communicators` there first."""
+    original = dist.destroy_process_group
+    if getattr(original, "_flashfsdp_hook", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group=None):
+        destroy_communicators(group)
+        return original(group)
+
+    destroy_process_group._flashfsdp_hook = True
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group

@@ -416,7 +416,11 @@ class Issued:
     issued_end: object = None
 
     def track(self, work):
-        """Let the profile time ``work``'s completion (CPU: its done-callback); returns ``work``."""
+        """Let the profile time ``work``'s completion (CPU: its done-callback) and name the unit in
+        ``work``'s errors (``Work.set_unit``); returns ``work``."""
+        name_unit = getattr(work, "set_unit", None)  # a Communicator's own Work may lack it
+        if name_unit is not None:
+            name_unit(self.unit)
         if self.issued is not None and self.cuda_stream is None:
             work.track_completion()
         return work

@@ -1,0 +1,160 @@
+"""The watchdog of one NCCL communicator: a deadline per collective in flight, NCCL's asynchronous
+errors, and an abort that turns a hang into an error naming the collective and the unit.
+
+NCCL through CuPy runs on the GPU and the host never waits for it (``Work.wait`` makes a stream
+wait on an event): a collective that another rank never joins (mismatched calls, a dead rank) keeps
+its kernel spinning, and the process hangs at its next host synchronisation. torch's NCCL process
+group has a watchdog thread for this (``ProcessGroupNCCL``'s ``watchdogHandler``: each work's
+deadline, ``ncclCommGetAsyncError``, ``ncclCommAbort``, then an error); this is its counterpart.
+
+:class:`Watchdog` keeps, per collective issued, its name, the unit it serves (when the runtime
+names it), its deadline and a completion test. :meth:`Watchdog.poll` (run every ``poll_s`` seconds
+by a daemon thread, and by host waits) checks NCCL's asynchronous error, drops completed
+collectives and, at the first error or overdue collective, aborts the communicator once
+(``ncclCommAbort`` makes the stuck kernels return) and keeps the error; the communicator raises it
+at its next call (:meth:`Watchdog.raise_if_failed`), and the thread writes it to stderr at once.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+class CollectiveError(RuntimeError):
+    """A collective of an NCCL communicator failed or timed out; the communicator is aborted."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective did not complete within the communicator's timeout."""
+
+
+@dataclass
+class Pending:
+    """One collective in flight: its name, the unit it serves, deadline and completion test."""
+
+    collective: str
+    deadline: float
+    done: Callable[[], bool]
+    unit: str | None = None
+
+    def describe(self) -> str:
+        """``"all_gather_into_tensor of unit 'layers.0'"`` (or ``"... (unit not named)"``)."""
+        return f"{self.collective} of unit '{self.unit}'" if self.unit else f"{self.collective} (unit not named)"
+
+
+class Watchdog:
+    """Deadlines and asynchronous errors of one communicator (see the module docstring).
+
+    Args:
+        name: the communicator, for messages (e.g. ``"NcclCommunicator(rank 0 of 2, cuda:0)"``).
+        timeout_s: seconds a collective may stay incomplete after it was issued (> 0).
+        abort: called once, on the first failure (``ncclCommAbort``); its own errors are noted.
+        check_async_error: raises NCCL's asynchronous error, if any (``ncclCommGetAsyncError``).
+        poll_s: seconds between the thread's polls.
+        clock: the monotonic clock deadlines are measured on.
+
+    Raises:
+        ValueError: ``timeout_s`` or ``poll_s`` not positive.
+    """
+
+    def __init__(self, name: str, timeout_s: float, abort: Callable[[], None],
+                 check_async_error: Callable[[], None], poll_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not timeout_s > 0 or not poll_s > 0:
+            raise ValueError(f"Watchdog: timeout_s and poll_s must be > 0, got {timeout_s} and {poll_s}")
+        self.name, self.timeout_s, self.poll_s = name, float(timeout_s), float(poll_s)
+        self._abort, self._check_async_error, self._clock = abort, check_async_error, clock
+        self._pending: list[Pending] = []
+        self._lock = threading.Lock()
+        self.error: CollectiveError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def register(self, collective: str, done: Callable[[], bool]) -> Pending:
+        """Watch a collective just issued; its deadline is now + ``timeout_s``."""
+        entry = Pending(collective, self._clock() + self.timeout_s, done)
+        with self._lock:
+            self._pending.append(entry)
+        return entry
+
+    def in_flight(self) -> list[Pending]:
+        """The collectives not seen complete yet (as of the last poll)."""
+        with self._lock:
+            return list(self._pending)
+
+    def poll(self) -> CollectiveError | None:
+        """Check NCCL's asynchronous error and every deadline; abort on the first failure.
+        Returns the failure (also kept in :attr:`error`), None while all is well."""
+        if self.error is not None:
+            return self.error
+        try:
+            self._check_async_error()
+        except Exception as exc:  # noqa: BLE001 - whatever NCCL reports is the failure
+            return self._fail(CollectiveError(f"{self.name}: NCCL reported an asynchronous error ({exc}); "
+                                              f"in flight: {self._describe_all()}"))
+        now = self._clock()
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.done()]
+            overdue = next((p for p in self._pending if now > p.deadline), None)
+        if overdue is not None:
+            return self._fail(CollectiveTimeout(
+                f"{self.name}: {overdue.describe()} did not complete within {self.timeout_s:g} s (another rank "
+                f"never issued it, issued different collectives, or died); the communicator was aborted. "
+                f"In flight: {self._describe_all()}"))
+        return None
+
+    def _describe_all(self) -> str:
+        with self._lock:
+            return ", ".join(p.describe() for p in self._pending) or "nothing"
+
+    def _fail(self, error: CollectiveError) -> CollectiveError:
+        self.error = error
+        try:
+            self._abort()
+        except Exception as exc:  # noqa: BLE001 - the error to report is the collective's
+            error.args = (f"{error.args[0]} (aborting the communicator raised too: {exc!r})",)
+        return error
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure the watchdog found, if any.
+
+        Raises:
+            CollectiveError: (or :class:`CollectiveTimeout`) naming the collective and unit.
+        """
+        if self.error is not None:
+            raise self.error
+
+    def wait_until(self, done: Callable[[], bool], pause_s: float = 1e-3) -> None:
+        """Block until ``done()`` while polling: a host wait that ends in an error, not a hang.
+
+        Raises:
+            CollectiveError: the watchdog found a failure (a deadline passed, an NCCL error).
+        """
+        while not done():
+            self.raise_if_failed()
+            self.poll()
+            time.sleep(pause_s)
+        self.raise_if_failed()
+
+    def start(self) -> None:
+        """Poll every ``poll_s`` seconds on a daemon thread until :meth:`stop`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"flashfsdp-watchdog {self.name}", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if self.poll() is not None:
+                print(f"flashfsdp: {self.error}", file=sys.stderr, flush=True)
+                return
+
+    def stop(self) -> None:
+        """Stop the thread (joins it)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
