@@ -6,6 +6,7 @@ A single process (W = 1) needs no process group: without ``torch.distributed`` i
 """
 
 from flashfsdp.bindings.clip_grad import clip_grad_norm_
+from flashfsdp.bindings.grad_scaler import ShardedGradScaler
 from flashfsdp.bindings.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from flashfsdp.bindings.fully_shard import fully_shard
 from flashfsdp.bindings.functional import all_gather_with_grad
@@ -14,7 +15,20 @@ from flashfsdp.bindings.sharded_tensor import ShardedPiece
 from flashfsdp.bindings.full_state_dict import get_full_state_dict, set_full_state_dict
 from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from flashfsdp import checkpoint  # flashfsdp.checkpoint.save / load / latest
+from flashfsdp.fsdp1 import (  # FSDP1's wrapper API; the rest of its names: flashfsdp.fsdp1
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
 from flashfsdp.runtime.trace import profile
+from flashfsdp.estimate import estimate  # the function; its package stays importable as flashfsdp.estimate.*
 from flashfsdp.bindings.clip_grad import route_stock_clip_grad_norm
 
 # torch.nn.utils.clip_grad_norm_ on flashfsdp parameters gives the global norm (see its docstring).
@@ -30,6 +44,7 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "clip_grad_norm_",
+    "ShardedGradScaler",
     "all_gather_with_grad",
     "ShardedPiece",
     "get_full_state_dict",
@@ -38,4 +53,15 @@ __all__ = [
     "set_optimizer_state_dict",
     "checkpoint",
     "profile",
+    "estimate",
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "StateDictType",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "FullOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
 ]
