@@ -150,7 +150,7 @@ def _source(path: str) -> tuple[str, dict]:
             raise FileNotFoundError(f"load: checkpoint {path} does not exist")
         if not os.path.isdir(path):
             raise ValueError(f"load: {path} is a file, not a checkpoint directory")
-        read_marker(path)  # raises, naming what is wrong
+        return path, read_marker(path)  # raises, naming what is wrong
     source, marker = found
     if source != path:
         warnings.warn(recovery_message("load", path, source, marker["step"]), stacklevel=4)

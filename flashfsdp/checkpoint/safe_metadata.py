@@ -19,7 +19,6 @@ either runs whatever a crafted file names (``os.system``, ``builtins.exec``, ...
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import io
@@ -66,8 +65,6 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in ALLOWED_GLOBALS:
             raise DisallowedGlobal(f"{module}.{name}")
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
         return super().find_class(module, name)
 
 
