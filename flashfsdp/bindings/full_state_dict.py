@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from flashfsdp.kernels import flatten, unflatten
+from flashfsdp.runtime.comm_factory import communicator_in_use, default_group
 from flashfsdp.runtime.flat_param import FlatParam, shards_written
 
 from .agreement import agree, agree_from_rank0, global_rank
@@ -277,7 +278,7 @@ def loading_failed(exc: BaseException, where: str) -> RuntimeError:
 @torch.no_grad()
 def _broadcast_into_units(states, owners: dict, present: list[str], state_dict, flat_buffer) -> BaseException | None:
     """Unit by unit: rank 0 packs a group's parameters into one T-element buffer (cast to the
-    group's dtype), the unit's communicator broadcasts it, every rank copies its elements into its
+    group's dtype), the default group broadcasts it, every rank copies its elements into its
     shard. A failure on a rank does not stop it: it keeps issuing every broadcast (rank 0 sends
     zeros for a group it could not pack) and returns its first error, for the ranks to agree on."""
     is_root, error = global_rank() == 0, None
@@ -295,7 +296,7 @@ def _broadcast_into_units(states, owners: dict, present: list[str], state_dict, 
                 except Exception as exc:  # noqa: BLE001 - agreed by the caller
                     error = error or loading_failed(exc, f"unit '{unit.name}'")
                     flat.zero_()
-            unit.comm.broadcast(flat, 0).wait()
+            _world(unit.device).broadcast(flat, 0).wait()
             try:
                 for pos in positions:
                     pc = group.pieces[pos]
@@ -311,6 +312,13 @@ def _pack(group: FlatParam, positions: dict[int, list[str]], state_dict, flat: t
     for pos, keys in positions.items():
         sources[pos] = state_dict[keys[0]].detach().reshape(-1).to(device=device, dtype=group.dtype)
     flatten(sources, list(group.layout.offsets), flat, numels=list(group.layout.numels))
+
+
+def _world(device: torch.device):
+    """The communicator over the default group on ``device``: rank 0 of the default group is the
+    source, and every rank needs the values — with a 2-D (HSDP) mesh a unit's own group holds only
+    its replica's ranks, and its rank 0 is not rank 0 everywhere."""
+    return communicator_in_use(default_group(), device)
 
 
 @torch.no_grad()
@@ -340,8 +348,8 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     the ranks agree before any broadcast: an error on any rank is raised on every rank (naming the
     rank), so none is left waiting. Then unit by unit rank 0 packs the group's parameters into one
     T-element buffer in the parameters' original dtype (a value of another floating dtype, e.g. of
-    ``model.double().state_dict()``, is cast; ``flatten``: gaps zeroed), the unit's communicator
-    broadcasts it, and each rank copies its elements into the sharded master storage in place; the
+    ``model.double().state_dict()``, is cast; ``flatten``: gaps zeroed), the default group's
+    communicator broadcasts it, and each rank copies its elements into the sharded master storage in place; the
     next unit reuses the buffer. Buffers and parameters outside units are broadcast the same way
     and copied in place. A failure during the broadcasts (e.g. out of memory on rank 0) is raised on
     every rank after the last broadcast; the model is then partly loaded: load again.
@@ -359,8 +367,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
             tensor for a floating parameter: refused rather than silently made a float).
         ValueError: no fully_shard'ed module; a missing or unexpected key (strict), a wrong shape —
             each message names the key; the units differ across ranks.
-        NotImplementedError: the model has extra state (``get_extra_state``), which is not broadcast;
-            a unit whose group's rank 0 is not rank 0 of the default group.
+        NotImplementedError: the model has extra state (``get_extra_state``), which is not broadcast.
         Any error of one rank, on every rank (the rank named in the message).
     """
     plan, present, error = None, None, None
@@ -377,7 +384,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     error = _broadcast_into_units(states, owners, present, state_dict, flat_buffer)
     del flat_buffer
     plain = [key for key in present if key not in owners]
-    error = _broadcast_plain(states[0][1].unit.comm, template, plain, state_dict) or error
+    error = _broadcast_plain(_world(states[0][1].unit.device), template, plain, state_dict) or error
     agree(error)
 
 
@@ -387,8 +394,4 @@ def _plan_set(model: Any, strict: Any) -> tuple:
     states = _check_model(model, "set_full_state_dict")
     if not isinstance(strict, bool):
         raise TypeError(f"set_full_state_dict: strict must be a bool, got {strict!r}")
-    for _, state in states:
-        if (state.unit.comm.rank == 0) != (global_rank() == 0):
-            raise NotImplementedError(f"set_full_state_dict: unit '{state.unit.name}' broadcasts from its group's "
-                                      f"rank 0, which is not rank 0 of the default group")
     return states, model.state_dict(), _owners(model), _flat_buffers(states)

@@ -175,6 +175,12 @@ def _checkpoints(rank, mesh, tmp) -> dict:
         flashfsdp.checkpoint.load(path, other, other_opt)
         out["loaded"][name] = {"params": gather_full_params(other), "optim": gather_full_optimizer_state(other, other_opt)}
     out["dsd_1d"] = _dsd_roundtrip(model, tmp)
+    # the full state dict from global rank 0 into another HSDP model: ranks 2 and 3 are their shard
+    # group's rank 0 but not the source
+    full = flashfsdp.get_full_state_dict(model)
+    other = _sharded_mlp(mesh, seed=3)
+    flashfsdp.set_full_state_dict(other, full if rank == 0 else None)
+    out["full_sd_2x2"] = gather_full_params(other)
     return out
 
 
@@ -302,6 +308,7 @@ def test_checkpoint_saved_once_per_replica_set_and_loaded_on_any_mesh(hsdp):
             torch.testing.assert_close(loaded["optim"], saved["optim"], rtol=0, atol=0)
         for name, want in saved["params"].items():
             torch.testing.assert_close(saved["dsd_1d"][name], want, rtol=0, atol=0)
+            torch.testing.assert_close(saved["full_sd_2x2"][name], want, rtol=0, atol=0)
 
 
 def test_bad_meshes_are_refused(hsdp):
