@@ -57,6 +57,10 @@ class RootContext:
                 state.gate.forget_inputs()  # the last forward's graph had no backward
             if state.unit.gathered_is_stale():
                 state.reshard()  # an optimizer step or a load since it was gathered: gather again
+            if any(group.sharded_grad is not None for group in state.unit.groups):
+                # a reduce-scatter-stream block the optimizer read on the compute stream: order
+                # its owner first (see [Note: memory safety without record_stream] in streams.py)
+                state.unit.streams.order_after_current(state.unit.streams.reduce_scatter)
             for group in state.unit.groups:
                 group.release_unused_grad()
         ctx.forward_without_backward = torch.is_grad_enabled()

@@ -1,9 +1,10 @@
 """Gradient reduction of one unit: pack, reduce-scatter, accumulate (no nn.Module knowledge).
 
-Per trainable flat group, on the reduce-scatter stream (DESIGN.md §2, step 5): one ``flatten``
-launch packs every unsharded gradient into a T-element buffer in ``reduce_dtype`` (cast,
-pre-divide, zero padding, zeros where no gradient) — or compacted per rank when some parameters
-are frozen (``reduce_plan.py``); reduce-scatter into S elements. The :class:`PendingReduce` it
+Per trainable flat group (DESIGN.md §2, step 5): one ``flatten`` launch on the compute stream
+(as FSDP2's ``foreach_reduce``: the gradients are freed right after it) packs every unsharded
+gradient into a T-element buffer in ``reduce_dtype`` (cast, pre-divide, zero padding, zeros where
+no gradient) — or compacted per rank when some parameters are frozen (``reduce_plan.py``);
+reduce-scatter into S elements on the reduce-scatter stream. The :class:`PendingReduce` it
 returns finishes later: one ``accumulate_grad_shard`` launch post-divides, casts and adds into
 ``sharded_grad`` and returns the shard's squared norm and inf/nan flag from the same pass.
 
@@ -177,21 +178,23 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
     accumulate = group.prepare_grad_accumulation()
     plan = group.reduce_plan()
     streams, rs = unit.streams, unit.streams.reduce_scatter
+    # Packing runs on the compute stream (FSDP2's foreach_reduce), so that the gradients can go
+    # at once; the reduce-scatter stream waits on it (use). See streams.py, [Note: memory safety].
+    with torch.no_grad(), trace.span("pack", unit.name, "compute" if streams.is_cuda else "reduce_scatter"):
+        packed = pack(group, grads, reduce_dtype, 1.0 / f_pre, plan, unit.device)
     with streams.use(rs), torch.no_grad():
-        with trace.span("pack", unit.name, "reduce_scatter", rs):
-            packed = pack(group, grads, reduce_dtype, 1.0 / f_pre, plan, unit.device)
-        packed_event = streams.record(rs)
         size = group.layout.shard_size if plan is None else plan.segment
         output = torch.empty(size, dtype=reduce_dtype, device=unit.device)
         with trace.issuing("reduce_scatter", unit.name, rs) as issued:
             work = issued.track((unit.rs_comm or unit.comm).reduce_scatter_tensor(output, packed, op="sum"))
         pending = PendingReduce(unit, group, work, output, accumulate, 1.0 / f_post, [packed], issued, local, had,
                                 plan)
+        read_event = streams.record(rs)  # the reduce-scatter has read ``packed``
         if streams.is_cuda:  # HSDP: enqueue the all-reduce behind it (see [Note: HSDP all-reduce])
             pending.start_all_reduce()
-    # Outside the reduce-scatter stream: the *compute* stream must pass the pack before the
-    # gradients it read may be freed (see streams.hold_until_passed).
-    streams.hold_until_passed(packed_event, grads)
+    # ``packed`` is a compute-stream block the reduce-scatter stream reads: the compute stream
+    # must pass the reduce-scatter before it may be freed (see streams.hold_until_passed).
+    streams.hold_until_passed(read_event, packed)
     for p in group.unsharded_params:
         p.grad = None
     return pending

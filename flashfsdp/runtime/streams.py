@@ -14,20 +14,29 @@ the CUDA caching allocator's per-stream reuse rule:
 
 1. a freed block goes back to the pool of the stream it was allocated on (the all-gather stream)
    and is handed out again only to an allocation made on that same stream;
-2. every unshard makes the all-gather stream wait on the compute stream (``use``) before it
-   allocates;
+2. right before the free, the all-gather stream waits on the compute stream
+   (:meth:`DeviceStreams.order_after_current`, in ``ShardedUnit.reshard``), and every unshard
+   makes it wait again (``use``) before it allocates;
 
 so the next allocation that can receive the block is ordered, on the GPU, after every compute
 kernel enqueued before the free: kernels still reading the old buffer finish before the new
-all-gather writes into it. No ``record_stream`` is needed (it would delay reuse until the CPU
-observes the event, which is worse), and the CPU never blocks. This is FSDP2's scheme
-(``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` and ``_fsdp_param_group.py``: its
-all-gather outputs are allocated on the all-gather stream, freed from the CPU, and the stream
-waits on the compute stream before each all-gather), applied to one flat buffer. Gradient
-buffers read by the reduce-scatter stream are allocated on the *compute* stream, so rule 1 does
-not cover them: they stay referenced (``hold_until_passed``) until the compute stream waited on
-the event recorded after that read. On CPU there is one thread and no stream: freeing is
-immediate and safe because every collective reading or writing the buffer was waited on first.
+all-gather writes into it. Rule 1 alone does not cover a cache release: with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (common with FSDP), ``empty_cache()`` or an
+out-of-memory retry unmaps a free block's pages after synchronising only the stream that owns it
+(``ExpandableSegment::unmapHandles`` calls ``cudaStreamSynchronize`` on the owner), so the wait in
+rule 2 is made at the free: once the all-gather stream is synchronised, so is every compute kernel
+that read the buffer. This is FSDP2's order (``_fsdp_param_group.py``: the all-gather stream waits
+on the compute stream's event before the previous all-gather's buffers are released). No
+``record_stream`` is needed (it would delay reuse until the CPU observes the event, which is
+worse), and the CPU never blocks.
+
+Gradients: as in FSDP2's ``foreach_reduce``, packing runs on the compute stream, so the unsharded
+gradients (compute-stream blocks, read only there) are freed right after it. The packed
+reduce-scatter input is a compute-stream block read by the reduce-scatter stream: it stays
+referenced (``hold_until_passed``) until the compute stream waited on the event recorded after the
+reduce-scatter, which also covers a cache release (the owner, compute, is ordered after the read).
+On CPU there is one thread and no stream: freeing is immediate and safe because every collective
+reading or writing the buffer was waited on first.
 """
 
 from __future__ import annotations
@@ -82,6 +91,13 @@ class DeviceStreams:
         with torch.cuda.stream(stream):
             yield
 
+    def order_after_current(self, stream: "torch.cuda.Stream | None") -> None:
+        """Make ``stream`` wait on everything enqueued on the current stream so far (GPU; no-op on
+        CPU or for None). Call it before freeing, from the host, a block ``stream`` owns that the
+        current stream has read: see [Note: memory safety without record_stream]."""
+        if self.is_cuda and stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def record(self, stream: "torch.cuda.Stream | None" = None) -> "torch.cuda.Event | None":
         """An event recorded on ``stream`` (default: the current stream); None on CPU."""
         if not self.is_cuda:
@@ -99,8 +115,8 @@ class DeviceStreams:
         """Keep ``tensors`` alive until the compute stream waited on ``event`` (CUDA; no-op on CPU).
 
         With ``max_held`` entries held already, the oldest is released first (the compute stream
-        waits on its event), so at most ``max_held`` units' gradients are held past their pack:
-        FSDP2's reduce-scatter-input scheme (``set_reduce_scatter_max_input_buffers``).
+        waits on its event), so at most ``max_held`` units' reduce-scatter inputs are held past
+        their reduce-scatter: FSDP2's scheme (``set_reduce_scatter_max_input_buffers``).
         """
         if not self.is_cuda:
             return

@@ -6,9 +6,10 @@ requires_grad). Its step on rank r (DESIGN.md §2):
 1. unshard [all-gather stream]: allocate each group's unsharded buffer, copy-in (cast the shard to
    ``param_dtype`` into its own slice), all-gather in place. Returns an :class:`AllGatherResult`
    carrying the work handles; ``wait()`` makes the compute stream wait (GPU) or blocks (CPU).
-2. reshard: free the unsharded storage (see ``streams`` for why no event is needed on free).
-3. reduce_grads [reduce-scatter stream]: pack + reduce-scatter + (later) accumulate, per group;
-   see ``reduce.py``.
+2. reshard: free the unsharded storage, the all-gather stream ordered after the compute stream
+   first (see ``streams`` for why nothing else is needed on free).
+3. reduce_grads: pack [compute stream] + reduce-scatter + (later) accumulate [reduce-scatter
+   stream], per group; see ``reduce.py``.
 """
 
 from __future__ import annotations
@@ -281,6 +282,9 @@ class ShardedUnit:
                 self._secondary = [self._secondary_slice(g).clone() for g in self.groups]
         elif not (to_secondary and self.state is ShardState.SECONDARY):
             self._secondary = []
+        # The all-gather stream owns the buffers: order it after their readers before the free
+        # (see [Note: memory safety without record_stream] in streams.py).
+        self.streams.order_after_current(self.streams.all_gather)
         for group in self.groups:
             group.free_unsharded()
         self.state = ShardState.SECONDARY if self._secondary else ShardState.SHARDED
