@@ -5,25 +5,28 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashfsdp.runtime.process_group import all_gather_single, reduce_scatter_single
+from flashfsdp.runtime.comm_factory import communicator_in_use
 
 
 class _AllGatherWithGrad(torch.autograd.Function):
+    """Through the communicator the units over the group use (``communicator_in_use``): on CUDA
+    the same NCCL communicator as their all-gathers and reduce-scatters, so NCCL orders them."""
+
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group):
-        ctx.group = group
-        world = dist.get_world_size(group)
+        comm = communicator_in_use(group if group is not None else dist.group.WORLD, tensor.device)
+        ctx.comm = comm
         tensor = tensor.contiguous()
-        out = tensor.new_empty((world * tensor.shape[0], *tensor.shape[1:]))
-        all_gather_single(out, tensor, group=group)
+        out = tensor.new_empty((comm.world_size * tensor.shape[0], *tensor.shape[1:]))
+        comm.all_gather_into_tensor(out.view(-1), tensor.view(-1)).wait()
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        world = dist.get_world_size(ctx.group)
+        comm = ctx.comm
         grad = grad.contiguous()
-        out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        out = grad.new_empty((grad.shape[0] // comm.world_size, *grad.shape[1:]))
+        comm.reduce_scatter_tensor(out.view(-1), grad.view(-1), op="sum").wait()
         return out, None
 
 

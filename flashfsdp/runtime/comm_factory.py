@@ -80,6 +80,20 @@ def communicator_for(group, kind: str | Communicator, device: torch.device) -> C
     return cached
 
 
+def communicator_in_use(group, device: torch.device) -> Communicator:
+    """The communicator the units over ``group`` on ``device`` use (the first created, whatever its
+    kind), else the "auto" one: a collective outside the units (``all_gather_with_grad``) then
+    shares their NCCL communicator, and NCCL orders it with their prefetches. Two communicators
+    with collectives in flight at once can deadlock (NCCL's documentation: "Using multiple NCCL
+    communicators concurrently")."""
+    if group is None or dist.get_world_size(group) == 1:
+        return LocalCommunicator()
+    for key, comm in _cache.items():  # the units' keys: (id(group), kind, device)
+        if key[0] == id(group) and key[2] == str(device) and getattr(comm, "group", None) is group:
+            return comm
+    return communicator_for(group, "auto", device)
+
+
 def register_siblings(group, ranks: list[list[int]]) -> None:
     """Record that ``group`` is one of the disjoint groups whose (global) ranks are ``ranks``, one
     list per group, the same on every rank (see [Note: sibling groups]).
