@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["flashfsdp", "flashfsdp.*", "benchmarks", "benchmarks.*"]),
-    install_requires=["torch>=2.6", "triton", "numpy", "tqdm"],
+    install_requires=["torch>=2.6", "triton>=3.4", "numpy", "tqdm"],  # triton.knobs (kernels/triton_support.py)
     extras_require={
         "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
         "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13"],

@@ -4,12 +4,13 @@ Rule (:func:`select_backend`): Triton for CUDA tensors when the kernels are comp
 CPU tensors when they run under the Triton interpreter (``TRITON_INTERPRET=1`` set before import,
 see [Note: interpreter mode is fixed at import] in :mod:`flashfsdp.kernels.triton_support`), the
 reference otherwise (no Triton, or a device the kernels do not serve). :func:`use_backend` forces
-one path for tests and benchmarks.
+one path for tests and benchmarks. :func:`backend_counts` says which path each op really took.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator, Literal, Sequence
 
 import torch
@@ -86,11 +87,50 @@ def select_backend(device: torch.device) -> Backend:
 def _implementation(op: str, device_of: object, tensors: Sequence = ()):
     """The function running ``op`` for tensors on ``device_of``'s device (a non-tensor: the
     reference, whose validation then raises the TypeError). Any float64 tensor among
-    ``device_of`` and ``tensors`` selects the reference too: the kernels compute in fp32."""
-    if (isinstance(device_of, torch.Tensor) and select_backend(device_of.device) == "triton"
-            and not _any_float64(device_of, tensors)):
-        return _TRITON_LAUNCHERS[op]
-    return getattr(reference, op)
+    ``device_of`` and ``tensors`` selects the reference too: the kernels compute in fp32.
+    Each choice is counted (:func:`backend_counts`)."""
+    if not isinstance(device_of, torch.Tensor):
+        return getattr(reference, op)
+    device_type = device_of.device.type
+    backend = select_backend(device_of.device)
+    if backend == "triton" and _any_float64(device_of, tensors):
+        backend = "reference"
+    elif backend == "reference" and device_type == "cuda" and _forced_backend is None:
+        _warn_cuda_on_reference()
+    key = (op, backend, device_type)
+    _counts[key] = _counts.get(key, 0) + 1
+    return _TRITON_LAUNCHERS[op] if backend == "triton" else getattr(reference, op)
+
+
+# (op, backend, device type) -> calls since the last reset_backend_counts(); a plain dict updated
+# from whichever thread runs the op (autograd's too): one increment per op call.
+_counts: dict[tuple[str, Backend, str], int] = {}
+_warned_cuda_on_reference = False
+
+
+def backend_counts() -> dict[tuple[str, Backend, str], int]:
+    """How many calls of each op ran on each backend, per device type, since the last
+    :func:`reset_backend_counts` (or import): ``{("flatten", "triton", "cuda"): 12, ...}``. The
+    ``gpu`` tests assert from it that the Triton kernels, not the reference, served CUDA tensors."""
+    return dict(_counts)
+
+
+def reset_backend_counts() -> None:
+    """Start :func:`backend_counts` from zero."""
+    _counts.clear()
+
+
+def _warn_cuda_on_reference() -> None:
+    """Warn once that CUDA tensors run the plain-torch reference (Triton missing or interpreted)."""
+    global _warned_cuda_on_reference
+    if _warned_cuda_on_reference:
+        return
+    _warned_cuda_on_reference = True
+    why = (f"triton cannot be imported ({triton_support.IMPORT_ERROR!r})" if not triton_support.AVAILABLE
+           else "the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)")
+    warnings.warn(f"flashfsdp: CUDA tensors run the plain-torch reference kernels because {why}; "
+                  f"unset TRITON_INTERPRET / install triton>={triton_support.MIN_TRITON} for the Triton kernels",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _any_float64(first: torch.Tensor, tensors: Sequence) -> bool:

@@ -3,13 +3,15 @@
 ``import flashfsdp.kernels`` must work where ``import triton`` fails (no Triton wheel, a broken
 driver): then :data:`AVAILABLE` is false, :data:`triton` and :data:`tl` are stand-ins whose
 ``jit`` leaves functions undecorated, and :mod:`flashfsdp.kernels.dispatch` always picks the
-reference path. The op modules import ``triton`` and ``tl`` from here, never directly.
+reference path (warning once when that happens to CUDA tensors). The op modules import ``triton`` and ``tl`` from here, never directly.
 
 [Note: interpreter mode is fixed at import]
 ``triton.jit`` decides when it decorates a function whether the kernel is compiled or run by the
 interpreter (``TRITON_INTERPRET=1``), so the mode is fixed when this package is first imported:
 set ``TRITON_INTERPRET`` before importing ``flashfsdp``. :data:`INTERPRETED` records the mode the
-kernels really have, and dispatch trusts it rather than re-reading the environment.
+kernels really have, and dispatch trusts it rather than re-reading the environment. It is read
+from ``triton.knobs`` (Triton >= 3.4, the floor in ``setup.py``); an older Triton that imports is
+refused with an ImportError saying so, rather than guessed at.
 """
 
 from __future__ import annotations
@@ -33,16 +35,37 @@ class _Missing:
         return None
 
 
+MIN_TRITON = "3.4"  # triton.knobs, which says the mode the kernels were built in (setup.py's floor)
+
+
+def _interpret_mode(module) -> bool:
+    """Whether ``triton.jit`` runs kernels under the interpreter, from ``triton.knobs``.
+
+    Raises:
+        ImportError: a Triton without ``triton.knobs`` (older than :data:`MIN_TRITON`): its mode
+            cannot be read reliably, and guessing would let the kernels silently take the
+            reference path (or the interpreter) on a GPU.
+    """
+    knobs = getattr(module, "knobs", None)
+    if knobs is None:
+        raise ImportError(
+            f"flashfsdp needs Triton >= {MIN_TRITON} (triton.knobs), found triton "
+            f"{getattr(module, '__version__', '?')}: pip install 'triton>={MIN_TRITON}' (or the torch release "
+            f"that pins it)"
+        )
+    return bool(knobs.runtime.interpret)
+
+
 try:
     import triton
     import triton.language as tl
-
-    AVAILABLE = True
-    IMPORT_ERROR: BaseException | None = None
-    INTERPRETED = bool(triton.knobs.runtime.interpret)
-except Exception as error:  # noqa: BLE001 - any failure means "no Triton", whatever its kind
+except Exception as error:  # noqa: BLE001 - any failure to import means "no Triton", whatever its kind
     triton = _Missing()
     tl = _Missing()
     AVAILABLE = False
-    IMPORT_ERROR = error
+    IMPORT_ERROR: BaseException | None = error
     INTERPRETED = False
+else:
+    INTERPRETED = _interpret_mode(triton)
+    AVAILABLE = True
+    IMPORT_ERROR = None

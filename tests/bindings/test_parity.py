@@ -219,6 +219,9 @@ def _cuda_w1(rank, world_size, communicator):
     import flashfsdp  # noqa: PLC0415
     from tests.models import make_mlp  # noqa: PLC0415
 
+    from flashfsdp.kernels import dispatch  # noqa: PLC0415
+
+    dispatch.reset_backend_counts()
     model, ref = make_mlp().cuda(), make_mlp().cuda()
     for unit in model.units():
         flashfsdp.fully_shard(unit, communicator=communicator)
@@ -235,15 +238,18 @@ def _cuda_w1(rank, world_size, communicator):
             out.append(loss.item())
         losses.append(out)
     assert isinstance(model, nn.Module)
-    return losses
+    return losses, dispatch.backend_counts()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("communicator", ["nccl", "process_group"])
 def test_cuda_single_rank_matches_unsharded(communicator):
     backend = "nccl" if communicator == "process_group" else "gloo"  # CuPy NCCL needs only the store
-    ((flash, ref),) = run_distributed(_cuda_w1, 1, communicator, kernels=None, backend=backend)
+    ((flash, ref), counts) = run_distributed(_cuda_w1, 1, communicator, kernels=None, backend=backend)[0]
     torch.testing.assert_close(flash, ref, rtol=1e-5, atol=1e-6)
+    for op in ("flatten", "accumulate_grad_shard"):  # copy-in and packing; the reduced gradient
+        assert counts.get((op, "triton", "cuda")), f"{op} did not run its Triton kernel on CUDA: {counts}"
+    assert not any(key[1:] == ("reference", "cuda") for key in counts), counts
 
 
 def _hpz(rank, world_size):
