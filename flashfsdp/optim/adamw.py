@@ -1,0 +1,130 @@
+"""``flashfsdp.optim.AdamW``: torch's AdamW that steps each unit's flat shard in one fused call.
+
+Algorithm: AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019) exactly
+as ``torch.optim.AdamW`` computes it — the update itself is torch's functional ``adam`` (the fused
+``torch._fused_adamw_`` kernels on CPU and CUDA); what changes is what it is given.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam
+from torch.optim.optimizer import _get_scalar_dtype, _use_grad_for_differentiable
+
+from .base import FlatStepMixin
+from .runs import Run
+
+
+class AdamW(FlatStepMixin, torch.optim.AdamW):
+    """AdamW over flashfsdp's sharded parameters, stepping one flat tensor per unit run.
+
+    Same constructor arguments, ``param_groups``, per-parameter ``state`` and ``state_dict()``
+    layout as :class:`torch.optim.AdamW` (state keyed by parameter index, one ``step``,
+    ``exp_avg``, ``exp_avg_sq`` — and ``max_exp_avg_sq`` with ``amsgrad`` — per parameter), so
+    checkpoints interchange with torch's AdamW over the same parameters, and
+    ``flashfsdp.get_optimizer_state_dict`` / DCP work unchanged.
+
+    How it steps: a unit's sharded parameters are views into one master shard and their gradients
+    views into one gradient shard (``FlatParam``). Per optimizer group, consecutive pieces of one
+    shard that all have a gradient and the same step count form a run (``runs.py``); the state of
+    every piece is a view into one flat buffer per shard and key, so a run is one tensor for the
+    parameters, the gradient and each state. All runs of a group then go to one
+    ``torch._fused_adamw_`` call (CPU or CUDA; with ``fused=False``: torch's foreach or for-loop
+    path over the runs). A unit whose parameters are all trainable, in one group and all with
+    gradients is a single run. Everything else — parameters that are not flashfsdp pieces, pieces
+    of other shapes or strides, ``differentiable=True`` groups — is stepped per parameter, as torch
+    steps it. Parameters whose ``.grad`` is None are not stepped (and break runs), as in torch.
+
+    Args: those of :class:`torch.optim.AdamW` (``params, lr, betas, eps, weight_decay, amsgrad,
+        maximize, foreach, capturable, differentiable, fused``), checked by it.
+
+    Raises:
+        ValueError / RuntimeError: torch's, for bad arguments or sparse gradients.
+        RuntimeError: a piece's ``.grad`` with another number of elements than the piece.
+    """
+
+    def _ages(self) -> dict:
+        ages = self.__dict__.get("_flashfsdp_ages")
+        if ages is None:
+            ages = self.__dict__["_flashfsdp_ages"] = {}
+        return ages
+
+    def _forget_ages(self) -> None:
+        self._ages().clear()
+
+    def _age(self, p: torch.Tensor) -> int:
+        """Steps taken by ``p`` (read from its state once, then counted without synchronising)."""
+        ages = self._ages()
+        age = ages.get(p)
+        if age is None:
+            step = self.state.get(p, {}).get("step")
+            age = ages[p] = 0 if step is None else int(step)
+        return age
+
+    @_use_grad_for_differentiable
+    def step(self, closure=None):
+        """One AdamW step (torch's semantics); returns ``closure()``'s loss if given."""
+        self._accelerator_graph_capture_health_check()
+        return self._flat_step(closure)
+
+    def _prepare_run(self, group: dict, run: Run, on_device: bool) -> None:
+        """Give each piece of ``run`` torch's state entries, its tensors as flat-buffer views."""
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        states = self._flat_states()
+        for p in run.params:
+            st = self.state[p]
+            step = st.get("step")
+            if step is None:
+                step = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device) if on_device
+                        else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+            elif on_device and step.device != p.device:
+                step = step.to(device=p.device, dtype=torch.float32)
+            st["step"] = step
+            for key in keys:
+                states.adopt(p, st, key)
+
+    def _step_group(self, group: dict, runs: list[Run], rest: list[torch.Tensor]) -> None:
+        fused = self._uses_fused(group, runs)
+        if runs:
+            self._step_runs(group, runs, fused)
+        if rest:
+            lists = ([], [], [], [], [], [])
+            has_complex = self._init_group(dict(group, params=rest), *lists)
+            self._adam(group, lists, has_complex, group["fused"], group["foreach"])
+            for p in rest:
+                self._ages().pop(p, None)
+
+    def _step_runs(self, group: dict, runs: list[Run], fused: bool) -> None:
+        on_device = fused or group["capturable"]
+        states, ages = self._flat_states(), self._ages()
+        lists = ([], [], [], [], [], [])
+        others = []  # step tensors of the pieces after each run's first: advanced alongside it
+        for run in runs:
+            self._prepare_run(group, run, on_device)
+            lists[0].append(run.flat)
+            lists[1].append(run.grad)
+            lists[2].append(states.run_view(run, "exp_avg"))
+            lists[3].append(states.run_view(run, "exp_avg_sq"))
+            if group["amsgrad"]:
+                lists[4].append(states.run_view(run, "max_exp_avg_sq"))
+            lists[5].append(self.state[run.params[0]]["step"])
+            others += [self.state[p]["step"] for p in run.params[1:]]
+        advanced = [(p, self._age(p) + 1) for run in runs for p in run.params]
+        self._adam(group, lists, False, fused, None if fused else group["foreach"])
+        if others:
+            torch._foreach_add_(others, 1)
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            if others:
+                torch._foreach_sub_(others, [found_inf.to(t.device) for t in others])
+            ages.clear()
+            return
+        ages.update(advanced)
+
+    def _adam(self, group: dict, lists: tuple, has_complex: bool, fused, foreach) -> None:
+        beta1, beta2 = group["betas"]
+        adam(*lists, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
+             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+             foreach=foreach, capturable=group["capturable"], differentiable=group["differentiable"],
+             fused=fused, grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+             decoupled_weight_decay=group["decoupled_weight_decay"])

@@ -1,0 +1,162 @@
+"""Flat runs: the parameters of one optimizer group that can be stepped as one contiguous tensor.
+
+A flashfsdp unit's sharded parameters are 1-D views into its flat group's master shard
+(``FlatParam.sharded_flat``, see ``runtime/flat_param.py``) and, after a reduction, their ``.grad``
+fields are views into the flat gradient shard laid out the same way. Parameters ``i`` and ``i + 1``
+of one flat group are separated by alignment padding only, so a *run* of consecutive pieces can be
+stepped as the single slice ``sharded_flat[start_i : end_j]`` (the padding is stepped too: its
+gradient is zero, so its values and state stay zero, and nobody reads it).
+
+This module finds the runs from the tensors themselves (storage, offsets, strides), so nothing is
+assumed that was not checked: a piece joins a run only if it is contiguous, carries
+``_flashfsdp_piece``, its parameter index follows the previous one's, and its gradient lies at the
+same distance from the parameter as the previous gradient does (one flat gradient buffer). Each
+run also needs its members to be in the same state "age" (steps taken), given by the optimizer.
+
+State tensors of pieces are views into one flat buffer per master shard and state key
+(:class:`FlatStates`), so that a run's state is one slice too and ``state_dict()`` still holds one
+tensor per parameter, as torch's optimizers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+_PIECE = "_flashfsdp_piece"  # set on every sharded piece by runtime/flat_param.py
+
+
+@dataclass
+class Run:
+    """Consecutive pieces of one master shard, stepped as one tensor.
+
+    Attributes:
+        params: the pieces, in storage order (at least one).
+        flat: the slice of the master shard from the first piece's start to the last one's end.
+        grad: the same range of the flat gradient shard.
+        lo: ``flat``'s storage offset (elements), where its state slices start.
+    """
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    flat: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    lo: int = 0
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes(), t.dtype, t.device)
+
+
+def is_flat_candidate(p: torch.Tensor) -> bool:
+    """Whether ``p`` (with a gradient) may join a run: a flashfsdp piece, real floating point,
+    contiguous, with a dense contiguous gradient of its own dtype, device and size.
+
+    Raises:
+        RuntimeError: a piece's gradient has another number of elements than the piece (a
+            ``.grad`` replaced by a tensor of the wrong shape), naming the parameter.
+    """
+    g = p.grad
+    if not hasattr(p, _PIECE):
+        return False
+    if g.numel() != p.numel():
+        raise RuntimeError(
+            f"flashfsdp.optim: the gradient of {getattr(p, '_flashfsdp_fqn', 'a sharded parameter')} has "
+            f"{g.numel()} elements but its sharded piece has {p.numel()}; a .grad assigned by hand must "
+            f"have the piece's shape {tuple(p.shape)}")
+    return (p.is_floating_point() and not p.is_complex() and p.is_contiguous() and not g.is_sparse
+            and g.is_contiguous() and g.dtype == p.dtype and g.device == p.device and p.numel() > 0)
+
+
+def _joins(run: Run, p: torch.Tensor, age: Callable[[torch.Tensor], object]) -> bool:
+    last = run.params[-1]
+    return (_storage_key(p) == _storage_key(last)
+            and getattr(p, _PIECE).param_index == getattr(last, _PIECE).param_index + 1
+            and p.storage_offset() >= last.storage_offset() + last.numel()
+            and _storage_key(p.grad) == _storage_key(last.grad)
+            and p.grad.storage_offset() - p.storage_offset() == last.grad.storage_offset() - last.storage_offset()
+            and age(p) == age(last))
+
+
+def _close(run: Run) -> Run:
+    first, last = run.params[0], run.params[-1]
+    lo, hi = first.storage_offset(), last.storage_offset() + last.numel()
+    shift = first.grad.storage_offset() - lo
+    run.flat = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+    run.grad = first.grad.new_empty(0).set_(first.grad.untyped_storage(), lo + shift, (hi - lo,), (1,))
+    run.lo = lo
+    return run
+
+
+def plan_runs(params: Sequence[torch.Tensor], age: Callable[[torch.Tensor], object]
+              ) -> tuple[list[Run], list[torch.Tensor]]:
+    """Split the parameters of one optimizer group that have a gradient into runs and the rest.
+
+    Args:
+        params: parameters with a ``.grad`` (any kind), in the group's order.
+        age: a parameter's state age (e.g. Adam's step count); only equal ages share a run.
+
+    Returns:
+        ``(runs, rest)``: the runs, and the parameters to step one by one (not flashfsdp pieces,
+        empty pieces, sparse, complex or non-contiguous ones).
+    """
+    candidates, rest = [], []
+    for p in params:
+        (candidates if is_flat_candidate(p) else rest).append(p)
+    candidates.sort(key=lambda p: (_storage_key(p)[0], p.storage_offset()))
+    runs: list[Run] = []
+    for p in candidates:
+        if runs and _joins(runs[-1], p, age):
+            runs[-1].params.append(p)
+        else:
+            runs.append(Run([p]))
+    return [_close(r) for r in runs], rest
+
+
+class FlatStates:
+    """Optimizer state tensors of pieces as views into one flat buffer per master shard and key.
+
+    A buffer spans the whole storage of the master shard (S elements, zeros when created), so a
+    piece's state is ``buffer[piece.storage_offset() : ... + numel]`` and a run's is one slice.
+    Buffers of a shard no optimizer group steps any more are dropped at the next :meth:`retain`.
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def buffer(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """The flat ``key`` buffer of ``p``'s master shard (allocated with zeros on first use)."""
+        skey = _storage_key(p) + (key,)
+        buf = self._buffers.get(skey)
+        if buf is None:
+            numel = p.untyped_storage().nbytes() // p.element_size()
+            buf = self._buffers[skey] = torch.zeros(numel, dtype=p.dtype, device=p.device)
+        return buf
+
+    def view(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """``p``'s slice of its ``key`` buffer, shaped like ``p``."""
+        o = p.storage_offset()
+        return self.buffer(p, key)[o : o + p.numel()].view_as(p)
+
+    def run_view(self, run: Run, key: str) -> torch.Tensor:
+        """The run's slice of the ``key`` buffer (same range as ``run.flat``)."""
+        return self.buffer(run.params[0], key)[run.lo : run.lo + run.flat.numel()]
+
+    def adopt(self, p: torch.Tensor, state: dict, key: str) -> None:
+        """Make ``state[key]`` (a tensor like ``p``, or absent: zeros) ``p``'s view, copying values
+        over if it is another tensor (a state dict loaded from elsewhere)."""
+        view = self.view(p, key)
+        value = state.get(key)
+        if value is None:
+            view.zero_()
+        elif (value.data_ptr() != view.data_ptr()
+              or value.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()):
+            view.copy_(value.reshape(view.shape))
+        state[key] = view
+
+    def retain(self, runs: Sequence[Run]) -> None:
+        """Drop the buffers of shards that none of ``runs`` uses (after a re-home or re-wrap)."""
+        live = {_storage_key(r.params[0]) for r in runs}
+        self._buffers = {k: v for k, v in self._buffers.items() if k[:4] in live}
