@@ -25,8 +25,9 @@ def clip_grad_norm_(
 
     Sharded parameters (local pieces) contribute their rank's part, summed over the unit's ranks
     (max for ``norm_type=inf``); other parameters (replicated, e.g. ``ignored_params``) count once.
-    For the 2-norm, a unit whose gradient shard is unchanged since its reduction reuses the
-    squared norm that ``accumulate_grad_shard`` computed in the same pass (no extra read).
+    The norm is read from the gradients as they are now: a squared norm cached at the reduction
+    could be stale without any sign of it (torch's ``GradScaler.unscale_`` and in-place ops
+    through ``.grad.data`` change gradients without bumping their version counters).
 
     Collective over the communicators of the units whose parameters are given (one all-reduce
     each), with or without gradients on this rank, so that no rank is left waiting: an argument
@@ -108,17 +109,12 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.
     is_inf = math.isinf(norm_type)
     terms_by_comm: dict[int, list[torch.Tensor]] = {key: [] for key in comms}
     replicated: list[torch.Tensor] = []
-    seen_groups: set[int] = set()
     for p in params:
         if p.grad is None:
             continue
         group = getattr(p, "_flashfsdp_group", None)
         if group is None:
             replicated.append(_norm_term(p.grad, norm_type))
-        elif _fused_norm_usable(group, norm_type, params):
-            if id(group) not in seen_groups:
-                seen_groups.add(id(group))
-                terms_by_comm[id(p._flashfsdp_unit.comm)].append(group.grad_stats[0].to(device))
         else:
             terms_by_comm[id(p._flashfsdp_unit.comm)].append(_norm_term(p.grad, norm_type))
     total = _combine(torch.zeros((), dtype=torch.float32, device=device), replicated, is_inf)
@@ -176,21 +172,6 @@ def _norm_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     if norm_type == 2.0:
         return (g * g).sum()
     return g.abs().pow(norm_type).sum()
-
-
-def _fused_norm_usable(group, norm_type: float, params: list) -> bool:
-    """Whether the group's fused squared norm still describes its pieces' gradients exactly."""
-    stats = group.grad_stats
-    if norm_type != 2.0 or stats is None or group.sharded_grad is None:
-        return False
-    if group.sharded_grad._version != stats[2]:
-        return False
-    views = group.grad_views()
-    ids = {id(p) for p in params}
-    return all(
-        id(p) in ids and p.grad is not None and p.grad.data_ptr() == v.data_ptr()
-        for p, v in zip(group.sharded_params, views)
-    )
 
 
 _stock_clip_grad_norm = None

@@ -307,3 +307,24 @@ def test_forward_without_backward_leaves_nothing_stale():
     want = make_llama(seed=1)(torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0)))
     for fresh in run_distributed(_forward_without_backward, 4):
         torch.testing.assert_close(fresh, want, rtol=1e-5, atol=1e-5)
+
+
+def test_clip_grad_norm_reads_gradients_changed_without_a_version_bump():
+    """torch's GradScaler.unscale_ (``_amp_foreach_non_finite_check_and_unscale_``) and in-place ops
+    through ``.grad.data`` change gradients without bumping their version counters: the norm is
+    the one of the gradients as they are now, not the one the reduction saw."""
+    import flashfsdp  # noqa: PLC0415
+    from tests.models import loss_fn, make_batch  # noqa: PLC0415
+    from tests.training import make_model, units_of  # noqa: PLC0415
+
+    model = make_model("mlp")
+    for unit in units_of("mlp", model):
+        flashfsdp.fully_shard(unit)
+    x, y = make_batch("mlp", 0, 4)
+    loss_fn("mlp", model(x), y).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), torch.tensor(0.25))
+    grads[0].data.mul_(3.0)
+    want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
+    got = flashfsdp.clip_grad_norm_(model, max_norm=1e9)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
