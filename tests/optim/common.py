@@ -41,8 +41,9 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, rank: int 
 
 def rel_err(a, b) -> float:
     """max |a - b| / max |b| over two lists of tensors (0 when both are all zero)."""
-    num = max((x.detach() - y.detach()).abs().max().item() for x, y in zip(a, b, strict=True) if x.numel())
-    den = max(y.detach().abs().max().item() for y in b if y.numel())
+    num = max(((x.detach() - y.detach()).abs().max().item() for x, y in zip(a, b, strict=True) if x.numel()),
+              default=0.0)
+    den = max((y.detach().abs().max().item() for y in b if y.numel()), default=0.0)
     return num / den if den else num
 
 
