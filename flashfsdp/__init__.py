@@ -15,6 +15,7 @@ from flashfsdp.bindings.sharded_tensor import ShardedPiece
 from flashfsdp.bindings.full_state_dict import get_full_state_dict, set_full_state_dict
 from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from flashfsdp import checkpoint  # flashfsdp.checkpoint.save / load / latest
+from flashfsdp import optim  # flashfsdp.optim.AdamW / SGD: one fused step per unit's flat shard
 from flashfsdp.fsdp1 import (  # FSDP1's wrapper API; the rest of its names: flashfsdp.fsdp1
     BackwardPrefetch,
     CPUOffload,
@@ -52,6 +53,7 @@ __all__ = [
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
     "checkpoint",
+    "optim",
     "profile",
     "estimate",
     "FullyShardedDataParallel",
