@@ -29,8 +29,9 @@ Per step, mirroring ``FSDPState`` (``_pre_forward``, ``_post_forward``, ``_pre_b
 4. root pre-backward: wait own all-gather (still unsharded), prefetch
    ``policy.backward_targets(root)``; the root's backward compute before the blocks'.
 5. every block, in reverse: pre-backward waits own all-gather and prefetches backward targets;
-   backward compute; post-backward issues the reduce-scatter (on a GPU after waiting on the previous
-   pack, see [Note: waiting on the previous pack]), then finishes the reductions issued before it
+   backward compute; post-backward packs the gradients and frees them, issues the reduce-scatter (on
+   a GPU after the compute stream waited for the previous one to end, see [Note: waiting on the
+   previous reduce-scatter]), then finishes the reductions issued before it
    (on a CPU host, ``host_blocking=True``, that blocks the thread on them; on a GPU it only orders
    the reduce-scatter stream), then reshards.
 6. the rest of the root's backward; the final callback runs the post-backward of every unit still
@@ -48,18 +49,18 @@ runtime); the prediction is the last of ``steps`` steps.
 
 Memory per rank (bytes): the sharded state of every unit (``Unit.state_bytes`` per sharded element)
 plus what the step allocates: a unit's unsharded parameters from its all-gather's issue to its
-reshard; its unsharded gradients from the start of its backward until they are packed (CPU host: its
-own post-backward; GPU: the next post-backward, when the compute stream has waited on the pack); the
+reshard; its unsharded gradients from the start of its backward until they are packed in its own
+post-backward (on the host thread, or on a GPU's compute stream as FSDP2's ``foreach_reduce``); the
 reduce-scatter's buffers (packed input and reduced shard) from issue until the runtime finishes the
 reduction (on a GPU the caching allocator hands the block back then and reuses it in stream order).
 Activations are not modelled.
 
-[Note: waiting on the previous pack]
+[Note: waiting on the previous reduce-scatter]
 On a GPU, each post-backward makes the compute stream wait on the event recorded after the
-previous unit's gradient pack before dropping those gradients (``DeviceStreams.hold_until_passed``,
-FSDP2's reduce-scatter-input scheme). The simulator models the pack as taking no time, so that wait
-ends when the previous unit's reduce-scatter starts: reduce-scatters slower than backward compute
-stall the compute stream instead of queueing without bound.
+previous unit's reduce-scatter before dropping its packed input (``DeviceStreams.hold_until_passed``,
+FSDP2's reduce-scatter-input scheme; the pack itself runs on the compute stream and is modelled as
+taking no time): reduce-scatters slower than backward compute stall the compute stream instead of
+queueing without bound.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class StepReplay:
         self.states = {u.name: UnitState(u) for u in model.units}
         self.prefetched: set[str] = set()
         self.pending: list[tuple[CommOp, int, str]] = []  # reduce-scatters not finished: memory id, unit
-        self.held: tuple[CommOp, int] | None = None  # the last reduce-scatter and its unit's gradients (GPU)
+        self.held: CommOp | None = None  # the last reduce-scatter, whose packed input is held (GPU)
         self.t = 0.0
         self._reset_step()
 
@@ -265,20 +266,18 @@ class StepReplay:
     def reduce_grads(self, name: str) -> None:
         """Issue the unit's reduce-scatter, then finish the reductions issued before it."""
         unit, grads_mem = self.states[name].unit, self.states[name].grads_mem
-        if self.options.host_blocking:
-            self.mem.free(self.t, grads_mem)  # packed on the host thread: the gradients are gone
-        elif self.held is not None:
-            # hold_until_passed: the compute stream waits for the previous unit's pack (the start of
-            # its reduce-scatter, the pack taking no time here) and drops that unit's gradients.
-            prev_op, prev_grads = self.held
-            self._wait(prev_op, until="start")
-            self.mem.free(self.t, prev_grads)
+        # packed on the compute stream (GPU) or the host thread (CPU): the gradients are gone
+        self.mem.free(self.t, grads_mem)
+        if not self.options.host_blocking and self.held is not None:
+            # hold_until_passed: the compute stream waits for the previous unit's reduce-scatter to
+            # end (it has read that unit's packed input), see [Note: waiting on the previous reduce-scatter]
+            self._wait(self.held)
         nbytes = unit.reduce_bytes_total(self.W)
         cost = self.link.reduce_scatter_s(nbytes, self.W)
         op = self._issue("reduce_scatter", name, self._collective_phases("reduce_scatter", cost))
         self.rs_cost += cost
         if not self.options.host_blocking:
-            self.held = (op, grads_mem)
+            self.held = op
         if self.replicas > 1 and not self.options.host_blocking:
             self.all_reduce(name)  # enqueued behind the reduce-scatter
         buffers = self.mem.alloc(self.t, nbytes + nbytes // self.W)  # packed input + reduced shard
@@ -349,9 +348,7 @@ class StepReplay:
         for op in self.ops:  # wait_for_reduce_scatter: the compute stream waits for the whole stream
             if op.kind in ("reduce_scatter", "all_reduce"):
                 self._wait(op)
-        if self.held is not None:  # release_held
-            self.mem.free(self.t, self.held[1])
-            self.held = None
+        self.held = None  # release_held (its packed input was freed with the reductions)
         for st in self.states.values():
             st.training = TrainingState.IDLE
 
