@@ -18,7 +18,8 @@ Measured per scenario (``benchmarks.soak.supervisor``): how each rank ended; for
 the time from the fault to its error and to its exit; whether every rank ended (no hang); and,
 after the run, which checkpoint ``flashfsdp.checkpoint.latest`` picks and whether it loads (at
 W = 1, then one more training step with a finite loss). Expected: the step-``GOOD_STEP``
-checkpoint, or the step-``FAULT_STEP`` one when the crash came after its rename.
+checkpoint, or the step-``FAULT_STEP`` one when the crash came after its marker was written (a
+complete copy that ``latest`` recovers, before the rename as after it).
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def _row(fault: Fault, timeout_s: float, ends: list[RankEnd], fired: float | Non
             row["survivor_error"] = end.error
             survivors_in_time &= end.how == "error" and row[f"rank{end.rank}_error_s"] <= timeout_s + TARGET_SLACK_S
     row["all_ended"] = all(end.how != "hung" for end in ends)
-    expected = FAULT_STEP if fault.point == "save:after_rename" else GOOD_STEP
+    # the new checkpoint is complete once its marker is written: recovered from there on
+    expected = FAULT_STEP if fault.point in ("save:before_rename", "save:after_rename") else GOOD_STEP
     row.update(loaded, expected_step=expected)
     row["meets_target"] = bool(survivors_in_time and row["all_ended"] and loaded["load_ok"]
                                and loaded["loaded_step"] == expected)
