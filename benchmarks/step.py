@@ -1,6 +1,6 @@
 """End-to-end training step: flashfsdp vs torch FSDP2 vs DDP vs unsharded, in one run.
 
-    python -m benchmarks.step [--cpu] [--world-size W] [--steps N] [--dim D --layers L --seq S --batch B] [--out DIR]
+    python -m benchmarks.step [--cpu] [--world-size W] [--steps N] [--dim D --layers L --seq S --batch B] [--host-bound] [--out DIR]
 
 Every system trains the same Llama-style model (``flashfsdp.models.llama``) from the same seed on
 the same batches with AdamW, one block per unit plus the root for the sharded systems. Per system:
@@ -20,6 +20,11 @@ the same batches with AdamW, one block per unit plus the root for the sharded sy
   rank): ``traced_comm_ms`` (busy time of the all-gather and reduce-scatter streams per step) and
   ``traced_exposed_ms`` (time the compute stream waited on them per step); see
   ``flashfsdp.runtime.trace``.
+- ``unit_overhead_us`` = ``overhead_ms`` / units, in µs, units = layers + 1 (one per block and
+  the root): the host cost of sharding per unit per step where communication is free.
+
+``--host-bound``: the host-bound case (48 tiny blocks, W = 1, unsharded vs flashfsdp vs FSDP2, no
+trace), where a step is mostly the runtime's per-unit host work; written as ``step_host_bound_w1``.
 
 Defaults follow the device that runs: CPU (no CUDA, or ``--cpu``): W = 2 ranks on gloo, a model
 whose step takes about a second, fp32; CUDA: W = every local GPU on NCCL (flashfsdp through CuPy),
@@ -51,8 +56,11 @@ DEFAULTS = {
     "cpu": {"world_size": 2, "dim": 384, "layers": 6, "heads": 6, "seq": 128, "batch": 4, "param_dtype": "fp32"},
     "cuda": {"world_size": None, "dim": 2048, "layers": 18, "heads": 16, "seq": 2048, "batch": 4, "param_dtype": "bf16"},
 }
+# --host-bound: a model whose step is mostly per-unit host work (see the module docstring).
+HOST_BOUND = {"world_size": 1, "dim": 32, "layers": 48, "heads": 2, "seq": 16, "batch": 2, "param_dtype": "fp32",
+              "profile_steps": 0, "systems": ["unsharded", "flashfsdp", "fsdp2"]}
 COLUMNS = ["system", "world_size", "params_M", "step_ms", "tokens_per_s", "peak_mem_MiB", "overhead_ms",
-           "traced_comm_ms", "traced_exposed_ms", "vs_fsdp2", "vs_unsharded"]
+           "unit_overhead_us", "traced_comm_ms", "traced_exposed_ms", "vs_fsdp2", "vs_unsharded"]
 
 
 def _model(args, device: torch.device) -> nn.Module:
@@ -189,10 +197,14 @@ def parse_args(argv=None, cuda_available: bool | None = None) -> argparse.Namesp
                         help="default: fp32 on CPU, bf16 on CUDA")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--profile-steps", type=int, default=3, help="traced flashfsdp steps (0: no trace)")
+    parser.add_argument("--profile-steps", type=int, default=None,
+                        help="traced flashfsdp steps (0: no trace; default 3, 0 with --host-bound)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (CPU)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every system, interleaved")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
+                        help="default: all; unsharded, flashfsdp, fsdp2 with --host-bound")
+    parser.add_argument("--host-bound", action="store_true",
+                        help="the host-bound case: 48 tiny blocks, W = 1 (any size option given still applies)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<device>/)")
     parser.add_argument("--in-process", action="store_true",
                         help="W = 1 only: run every system in this process, not one fresh process per run "
@@ -201,7 +213,8 @@ def parse_args(argv=None, cuda_available: bool | None = None) -> argparse.Namesp
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     args.device = "cuda" if cuda_available and not args.cpu else "cpu"
-    for key, value in DEFAULTS[args.device].items():
+    defaults = {**DEFAULTS[args.device], "profile_steps": 3, "systems": list(SYSTEMS)}
+    for key, value in (HOST_BOUND if args.host_bound else defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value if value is not None else max(1, torch.cuda.device_count()))
     if args.world_size < 1:
@@ -234,6 +247,8 @@ def _notes(args, backend: str, memory: str) -> list[str]:
         "(it also holds every other cost of sharding/replication: copy-in, packing, extra allocation). 'unsharded' "
         "runs on the same W ranks at once, each training its own replica on its own per-rank batch, with no "
         "communication: the compute-only step.",
+        f"unit_overhead_us = overhead_ms / {args.layers + 1} units (one per block and the root), in µs: the host "
+        "cost of sharding per unit per step where communication costs little (W = 1: the host-bound case).",
         "traced_comm_ms / traced_exposed_ms: flashfsdp only, from its own trace (flashfsdp.profile) over "
         f"{args.profile_steps} extra steps, per step, largest rank: busy time of the all-gather and reduce-scatter "
         "streams (collectives from issue to completion, union per stream) and time the compute stream waited on "
@@ -276,6 +291,7 @@ def main(argv=None) -> list[dict]:
     by = {r["system"]: r for r in rows}
     for r in rows:
         r["overhead_ms"] = r["step_ms"] - by["unsharded"]["step_ms"] if "unsharded" in by else math.nan
+        r["unit_overhead_us"] = r["overhead_ms"] * 1e3 / (args.layers + 1)
         r["vs_fsdp2"] = r["step_ms"] / by["fsdp2"]["step_ms"] if "fsdp2" in by else math.nan
         r["vs_unsharded"] = r["step_ms"] / by["unsharded"]["step_ms"] if "unsharded" in by else math.nan
     rows = [{c: r[c] for c in COLUMNS} | env.stamp() for r in rows]
@@ -284,7 +300,7 @@ def main(argv=None) -> list[dict]:
     print(format_table(rows, COLUMNS))
     out = args.out if args.out is not None else results_dir(env.slug)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"step_w{args.world_size}"
+    tag = f"step_host_bound_w{args.world_size}" if args.host_bound else f"step_w{args.world_size}"
     write_csv(rows, out / f"{tag}.csv")
     write_markdown(rows, COLUMNS + environment_columns(), out / f"{tag}.md", title="Training step", env=env,
                    notes=_notes(args, backend, memory))

@@ -41,6 +41,26 @@ def test_toy_run_writes_every_file_with_every_column(tmp_path):
     assert "from after the model is sharded/wrapped" in md and "overhead_ms = step_ms - unsharded step_ms" in md
 
 
+def test_host_bound_case_compares_three_systems_per_unit(tmp_path):
+    rows = main(["--cpu", "--host-bound", "--in-process", "--out", str(tmp_path), *TOY])
+    assert [r["system"] for r in rows] == ["unsharded", "flashfsdp", "fsdp2"]
+    for name in ("step_host_bound_w1.csv", "step_host_bound_w1.md", "step_host_bound_w1.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert not (tmp_path / "step_w1.csv").exists()
+    for r in rows:  # 2 blocks + the root: 3 units
+        assert r["unit_overhead_us"] == pytest.approx(r["overhead_ms"] * 1e3 / 3)
+    assert "unit_overhead_us = overhead_ms / 3 units" in (tmp_path / "step_host_bound_w1.md").read_text()
+
+
+def test_host_bound_defaults_are_48_tiny_blocks_on_one_rank():
+    args = parse_args(["--host-bound"], cuda_available=False)
+    assert (args.world_size, args.layers, args.dim, args.seq, args.profile_steps) == (1, 48, 32, 16, 0)
+    assert args.systems == ["unsharded", "flashfsdp", "fsdp2"]
+    assert parse_args(["--host-bound", "--layers", "8"], cuda_available=False).layers == 8
+    plain = parse_args([], cuda_available=False)
+    assert (plain.profile_steps, plain.systems) == (3, list(SYSTEMS))
+
+
 def test_defaults_follow_the_device_that_runs():
     cpu = parse_args(["--cpu"], cuda_available=True)
     assert (cpu.device, cpu.world_size, cpu.dim, cpu.seq, cpu.param_dtype) == ("cpu", 2, 384, 128, "fp32")
