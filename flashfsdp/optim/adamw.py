@@ -11,7 +11,7 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype, _use_grad_for_differentiable
 
-from .base import FlatStepMixin
+from .base import FlatStepMixin, GroupPlan
 from .runs import Run
 
 
@@ -44,13 +44,14 @@ class AdamW(FlatStepMixin, torch.optim.AdamW):
     """
 
     def _ages(self) -> dict:
-        ages = self.__dict__.get("_flashfsdp_ages")
-        if ages is None:
-            ages = self.__dict__["_flashfsdp_ages"] = {}
-        return ages
+        return self._cache("_flashfsdp_ages", dict)
 
-    def _forget_ages(self) -> None:
+    def _forget(self) -> None:
+        super()._forget()
         self._ages().clear()
+
+    def _plan_flags(self, group: dict) -> tuple:
+        return (group["amsgrad"],)
 
     def _age(self, p: torch.Tensor) -> int:
         """Steps taken by ``p`` (read from its state once, then counted without synchronising)."""
@@ -67,9 +68,8 @@ class AdamW(FlatStepMixin, torch.optim.AdamW):
         self._accelerator_graph_capture_health_check()
         return self._flat_step(closure)
 
-    def _prepare_run(self, group: dict, run: Run, on_device: bool) -> None:
+    def _prepare_run(self, group: dict, run: Run, on_device: bool, keys: tuple) -> None:
         """Give each piece of ``run`` torch's state entries, its tensors as flat-buffer views."""
-        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         states = self._flat_states()
         for p in run.params:
             st = self.state[p]
@@ -83,43 +83,52 @@ class AdamW(FlatStepMixin, torch.optim.AdamW):
             for key in keys:
                 states.adopt(p, st, key)
 
-    def _step_group(self, group: dict, runs: list[Run], rest: list[torch.Tensor]) -> None:
-        fused = self._uses_fused(group, runs)
-        if runs:
-            self._step_runs(group, runs, fused)
-        if rest:
-            lists = ([], [], [], [], [], [])
-            has_complex = self._init_group(dict(group, params=rest), *lists)
-            self._adam(group, lists, has_complex, group["fused"], group["foreach"])
-            for p in rest:
-                self._ages().pop(p, None)
-
-    def _step_runs(self, group: dict, runs: list[Run], fused: bool) -> None:
-        on_device = fused or group["capturable"]
-        states, ages = self._flat_states(), self._ages()
-        lists = ([], [], [], [], [], [])
+    def _build_plan(self, group: dict, plan: GroupPlan) -> None:
+        fused = self._uses_fused(group, plan.runs)
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        states = self._flat_states()
+        lists = ([], None, [], [], [], [])  # params, grads (per step), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
         others = []  # step tensors of the pieces after each run's first: advanced alongside it
-        for run in runs:
-            self._prepare_run(group, run, on_device)
+        for run in plan.runs:
+            self._prepare_run(group, run, fused or group["capturable"], keys)
             lists[0].append(run.flat)
-            lists[1].append(run.grad)
-            lists[2].append(states.run_view(run, "exp_avg"))
-            lists[3].append(states.run_view(run, "exp_avg_sq"))
-            if group["amsgrad"]:
-                lists[4].append(states.run_view(run, "max_exp_avg_sq"))
+            for i, key in enumerate(keys):
+                lists[2 + i].append(states.run_view(run, key))
             lists[5].append(self.state[run.params[0]]["step"])
             others += [self.state[p]["step"] for p in run.params[1:]]
-        advanced = [(p, self._age(p) + 1) for run in runs for p in run.params]
-        self._adam(group, lists, False, fused, None if fused else group["foreach"])
+            plan.checks += [(p, k, self.state[p][k]) for p in run.params for k in keys + ("step",)]
+        members = [p for run in plan.runs for p in run.params]
+        for p in members:
+            self._age(p)
+        plan.args.update(fused=fused, lists=lists, others=others, members=members)
+
+    def _run_plan(self, group: dict, plan: GroupPlan) -> None:
+        if plan.runs:
+            self._step_runs(group, plan)
+        if plan.rest:
+            lists = ([], [], [], [], [], [])
+            has_complex = self._init_group(dict(group, params=plan.rest), *lists)
+            self._adam(group, lists, has_complex, group["fused"], group["foreach"])
+            for p in plan.rest:
+                self._ages().pop(p, None)
+
+    def _step_runs(self, group: dict, plan: GroupPlan) -> None:
+        args, ages = plan.args, self._ages()
+        lists = list(args["lists"])
+        lists[1] = [run.grad() for run in plan.runs]
+        self._adam(group, lists, False, args["fused"], None if args["fused"] else group["foreach"])
+        others = args["others"]
         if others:
             torch._foreach_add_(others, 1)
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None:
+        if found_inf is not None:  # a skipped step leaves ages unknown: read them again
             if others:
                 torch._foreach_sub_(others, [found_inf.to(t.device) for t in others])
             ages.clear()
+            plan.stale = True
             return
-        ages.update(advanced)
+        for p in args["members"]:
+            ages[p] += 1
 
     def _adam(self, group: dict, lists: tuple, has_complex: bool, fused, foreach) -> None:
         beta1, beta2 = group["betas"]

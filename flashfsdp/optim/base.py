@@ -1,54 +1,104 @@
-"""The step loop shared by the flat optimizers: plan runs per group, step them, step the rest.
+"""The step loop shared by the flat optimizers: plan runs per group (cached), step them, step the rest.
 
 An optimizer class mixes :class:`FlatStepMixin` in before the torch optimizer it extends and
-implements ``_step_group(group, runs, rest)`` (one group: the runs as flat tensors, the rest as
-torch steps them) and ``_age(param)`` (the state age that members of one run must share).
+implements ``_age(param)`` (the state age that members of one run must share),
+``_build_plan(group, plan)`` (state entries as flat views, the argument lists of its functional
+step, recorded in the :class:`GroupPlan`) and ``_run_plan(group, plan)`` (one step of the group).
 Everything else (constructor, ``param_groups``, ``state``, ``state_dict``, hooks) is torch's.
+
+A group's plan is kept while its parameters and their gradients stay where they were (the
+gradient shards of a unit are freed by ``zero_grad`` and allocated again, usually elsewhere: then
+the plan is made again), its flags are unchanged, every state tensor the plan steps is still the
+one in ``state`` and ``load_state_dict`` was not called. Checking that costs a few pointer reads
+per parameter; planning costs much more (see ``runs.py``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from .runs import FlatStates, plan_runs
+from .runs import FlatStates, Run, plan_runs, signature
+
+
+@dataclass
+class GroupPlan:
+    """One optimizer group's cached step: its runs, the rest, the state tensors it steps.
+
+    Attributes:
+        key: the signature and flags it was made for.
+        runs: flat runs; ``rest``: parameters stepped one by one as torch steps them.
+        checks: (param, state key, tensor) for every state tensor the runs step.
+        args: the optimizer's own prepared arguments.
+        stale: set by a step after which the plan must be made again (an age changed apart).
+    """
+
+    key: tuple
+    runs: list[Run]
+    rest: list[torch.Tensor]
+    checks: list[tuple[torch.Tensor, str, torch.Tensor]] = field(default_factory=list)
+    args: dict[str, Any] = field(default_factory=dict)
+    stale: bool = False
 
 
 class FlatStepMixin:
     """Step each optimizer group's flashfsdp pieces as flat runs (see ``runs.py``)."""
 
+    _PLAN_FLAGS = ("differentiable", "fused", "foreach", "capturable")
+
+    def _cache(self, name: str, factory):
+        value = self.__dict__.get(name)
+        if value is None:
+            value = self.__dict__[name] = factory()
+        return value
+
     def _flat_states(self) -> FlatStates:
-        states = self.__dict__.get("_flashfsdp_flat_states")
-        if states is None:
-            states = self.__dict__["_flashfsdp_flat_states"] = FlatStates()
-        return states
+        return self._cache("_flashfsdp_flat_states", FlatStates)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``; the loaded tensors are copied into the flat state buffers
         at the next step (the state stays per parameter, as saved)."""
         super().load_state_dict(state_dict)
-        self._forget_ages()
+        self._forget()
 
-    def _forget_ages(self) -> None:
-        """Drop cached state ages (state was replaced from outside)."""
+    def _plan_flags(self, group: dict) -> tuple:
+        """The group settings besides ``_PLAN_FLAGS`` that change which state a plan holds."""
+        return ()
+
+    def _forget(self) -> None:
+        """Drop cached plans and ages (state was replaced from outside)."""
+        self._cache("_flashfsdp_plans", dict).clear()
+
+    def _plan(self, index: int, group: dict) -> GroupPlan:
+        plans = self._cache("_flashfsdp_plans", dict)
+        key = (signature(group["params"]), *(group.get(f) for f in self._PLAN_FLAGS), *self._plan_flags(group))
+        plan = plans.get(index)
+        state = self.state
+        if (plan is not None and not plan.stale and plan.key == key
+                and all(state.get(p, {}).get(k) is t for p, k, t in plan.checks)):
+            return plan
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        runs, rest = ([], with_grad) if group.get("differentiable") else plan_runs(with_grad, self._age)
+        plan = plans[index] = GroupPlan(key, runs, rest)
+        if runs:
+            self._build_plan(group, plan)
+        self._flat_states().retain([r for p in plans.values() for r in p.runs])
+        return plan
 
     def _flat_step(self, closure: Callable[[], torch.Tensor] | None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        all_runs = []
-        for group in self.param_groups:
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            if group.get("differentiable"):
-                runs, rest = [], with_grad
-            else:
-                runs, rest = plan_runs(with_grad, self._age)
-            if runs or rest:
-                self._step_group(group, runs, rest)
-            all_runs += runs
-        self._flat_states().retain(all_runs)
+        plans = self._cache("_flashfsdp_plans", dict)
+        for index in [i for i in plans if i >= len(self.param_groups)]:
+            del plans[index]
+        for index, group in enumerate(self.param_groups):
+            plan = self._plan(index, group)
+            if plan.runs or plan.rest:
+                self._run_plan(group, plan)
         return loss
 
     @staticmethod

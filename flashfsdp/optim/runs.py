@@ -35,14 +35,25 @@ class Run:
     Attributes:
         params: the pieces, in storage order (at least one).
         flat: the slice of the master shard from the first piece's start to the last one's end.
-        grad: the same range of the flat gradient shard.
         lo: ``flat``'s storage offset (elements), where its state slices start.
+        shift: the gradients' storage offset minus the pieces' (the same for every piece).
     """
 
     params: list[torch.Tensor] = field(default_factory=list)
     flat: torch.Tensor | None = None
-    grad: torch.Tensor | None = None
     lo: int = 0
+    shift: int = 0
+
+    def grad(self) -> torch.Tensor:
+        """The run's range of the flat gradient shard, built from the gradients the pieces hold now
+        (not kept: a gradient shard freed by ``zero_grad`` must not stay alive in a plan)."""
+        g = self.params[0].grad
+        return g.new_empty(0).set_(g.untyped_storage(), self.lo + self.shift, self.flat.shape, (1,))
+
+
+def signature(params: Sequence[torch.Tensor]) -> tuple:
+    """What a plan of ``params`` depends on: where each piece and its gradient are (-1: no gradient)."""
+    return tuple((p.data_ptr(), -1 if p.grad is None else p.grad.data_ptr()) for p in params)
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -83,10 +94,8 @@ def _joins(run: Run, p: torch.Tensor, age: Callable[[torch.Tensor], object]) -> 
 def _close(run: Run) -> Run:
     first, last = run.params[0], run.params[-1]
     lo, hi = first.storage_offset(), last.storage_offset() + last.numel()
-    shift = first.grad.storage_offset() - lo
     run.flat = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
-    run.grad = first.grad.new_empty(0).set_(first.grad.untyped_storage(), lo + shift, (hi - lo,), (1,))
-    run.lo = lo
+    run.lo, run.shift = lo, first.grad.storage_offset() - lo
     return run
 
 

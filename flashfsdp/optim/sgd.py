@@ -13,7 +13,7 @@ import torch
 from torch.optim.optimizer import _use_grad_for_differentiable
 from torch.optim.sgd import sgd
 
-from .base import FlatStepMixin
+from .base import FlatStepMixin, GroupPlan
 from .runs import Run
 
 
@@ -43,39 +43,50 @@ class SGD(FlatStepMixin, torch.optim.SGD):
         """One SGD step (torch's semantics); returns ``closure()``'s loss if given."""
         return self._flat_step(closure)
 
-    def _step_group(self, group: dict, runs: list[Run], rest: list[torch.Tensor]) -> None:
-        if runs:
-            self._step_runs(group, runs)
-        if rest:
+    def _plan_flags(self, group: dict) -> tuple:
+        return (group["momentum"] != 0,)
+
+    def _build_plan(self, group: dict, plan: GroupPlan) -> None:
+        momentum = group["momentum"] != 0
+        states = self._flat_states()
+        started = [momentum and self._age(run.params[0]) for run in plan.runs]
+        fused = self._uses_fused(group, plan.runs) and (all(started) or not any(started))  # the fused
+        # kernel starts all momentum buffers of a call or none
+        for run, on in zip(plan.runs, started):
+            if on:
+                for p in run.params:
+                    states.adopt(p, self.state[p], "momentum_buffer")
+                plan.checks += [(p, "momentum_buffer", self.state[p]["momentum_buffer"]) for p in run.params]
+        plan.args.update(fused=fused, momentum=momentum, started=started,
+                         buffers=[states.run_view(r, "momentum_buffer") if on else None
+                                  for r, on in zip(plan.runs, started)])
+
+    def _run_plan(self, group: dict, plan: GroupPlan) -> None:
+        if plan.runs:
+            self._step_runs(group, plan)
+        if plan.rest:
             params, grads, buffers = [], [], []
-            has_sparse = self._init_group(dict(group, params=rest), params, grads, buffers)
+            has_sparse = self._init_group(dict(group, params=plan.rest), params, grads, buffers)
             self._sgd(group, params, grads, buffers, has_sparse, group["fused"], group["foreach"])
             if group["momentum"] != 0:
                 for p, buf in zip(params, buffers, strict=True):
                     self.state[p]["momentum_buffer"] = buf
 
-    def _step_runs(self, group: dict, runs: list[Run]) -> None:
-        fused = self._uses_fused(group, runs)
-        momentum = group["momentum"] != 0
+    def _step_runs(self, group: dict, plan: GroupPlan) -> None:
+        args, runs = plan.args, plan.runs
+        buffers = list(args["buffers"])
+        fused = args["fused"]
+        self._sgd(group, [r.flat for r in runs], [r.grad() for r in runs], buffers, False, fused,
+                  None if fused else group["foreach"])
+        if not args["momentum"] or all(args["started"]):
+            return
         states = self._flat_states()
-        buffers = []
-        for run in runs:
-            started = momentum and self._age(run.params[0])
-            if started:
-                for p in run.params:
-                    states.adopt(p, self.state[p], "momentum_buffer")
-            buffers.append(states.run_view(run, "momentum_buffer") if started else None)
-        if fused and momentum and any(b is None for b in buffers) and not all(b is None for b in buffers):
-            fused = False  # the fused kernel starts all buffers of a call or none
-        self._sgd(group, [r.flat for r in runs], [r.grad for r in runs], buffers if momentum else [None] * len(runs),
-                  False, fused, None if fused else group["foreach"])
-        if momentum:
-            for run, buf in zip(runs, buffers):
-                view = states.run_view(run, "momentum_buffer")
-                if buf is not None and buf.data_ptr() != view.data_ptr():
-                    view.copy_(buf)  # a buffer the step started: moved into the flat buffer
+        for run, buf, on in zip(runs, buffers, args["started"]):
+            if not on:  # a buffer this step started: into the flat buffer, the pieces' state its views
+                states.run_view(run, "momentum_buffer").copy_(buf)
                 for p in run.params:
                     self.state[p]["momentum_buffer"] = states.view(p, "momentum_buffer")
+        plan.stale = True
 
     def _sgd(self, group: dict, params, grads, buffers, has_sparse: bool, fused, foreach) -> None:
         sgd(params, grads, buffers, has_sparse_grad=has_sparse, foreach=foreach, fused=fused,

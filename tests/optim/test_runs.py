@@ -25,10 +25,10 @@ def test_each_unit_is_one_run_of_views_into_its_shards():
     for run in runs:
         for p in run.params:
             assert p.untyped_storage().data_ptr() == run.flat.untyped_storage().data_ptr()
-            assert p.grad.untyped_storage().data_ptr() == run.grad.untyped_storage().data_ptr()
+            assert p.grad.untyped_storage().data_ptr() == run.grad().untyped_storage().data_ptr()
             o = p.storage_offset() - run.lo
             assert torch.equal(run.flat[o : o + p.numel()], p.detach())
-            assert torch.equal(run.grad[o : o + p.numel()], p.grad)
+            assert torch.equal(run.grad()[o : o + p.numel()], p.grad)
 
 
 def test_runs_break_at_missing_gradients_and_ages():
