@@ -79,8 +79,18 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             optimizer are then partly loaded (load a good checkpoint before training on). On every
             other error they are unchanged ([Note: load is all-or-nothing ...]).
     """
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    checked, state = _checked(path, model, optimizer, verify)
+    _read(checked["source"], state)
+    _agreed(lambda: model.load_state_dict(state["model"]))
+    if optimizer is not None:
+        _agreed(lambda: set_optimizer_state_dict(model, optimizer, state["optim"]))
+    return {"step": checked["marker"]["step"], "extra": checked["extra"]}
 
+
+def _checked(path, model, optimizer, verify) -> tuple[dict, dict]:
+    """The checkpoint and arguments checked on every rank and agreed (an error on one is raised on
+    all, the model and optimizer unchanged): (what ``_check_checkpoint`` found, the DCP state dict
+    to read into)."""
     fresh = isinstance(optimizer, torch.optim.Optimizer) and not optimizer.state
     error = checked = state = None
     try:
@@ -95,7 +105,14 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         if fresh:
             optimizer.state.clear()  # as it was: without state
         raise
-    source = checked["source"]
+    return checked, state
+
+
+def _read(source: str, state: dict) -> None:
+    """DCP reads each rank's pieces of checkpoint ``source`` into ``state`` in place (metadata and
+    non-tensor entries through the allow-listed unpicklers); DCP gathers the ranks' read errors."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
     try:
         with single_process_quiet():
             dcp.load(state, storage_reader=SafeFileSystemReader(source), planner=WeightsOnlyLoadPlanner(),
@@ -103,10 +120,6 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     except CheckpointException as exc:
         raise RuntimeError(f"load: reading checkpoint {source} failed on rank(s) {failures(exc)}; the model "
                            f"and optimizer are partly loaded") from exc
-    _agreed(lambda: model.load_state_dict(state["model"]))
-    if optimizer is not None:
-        _agreed(lambda: set_optimizer_state_dict(model, optimizer, state["optim"]))
-    return {"step": checked["marker"]["step"], "extra": checked["extra"]}
 
 
 def _agreed(action) -> None:

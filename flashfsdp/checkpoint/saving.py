@@ -60,8 +60,24 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         OSError: rank 0 could not create, finish or rename the directory; the newest complete
             checkpoint of ``path`` is still there or in a hidden sibling, where ``load`` finds it.
     """
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    path, extra_bytes, state = _checked(path, model, optimizer, step, extra)
+    agree(_on_rank0(lambda: atomic.prepare(path)))
+    tmp = atomic.scratch(path)[0]
+    checksums = _gather_checksums(_write(path, tmp, state))
 
+    def finish() -> None:
+        checksums[EXTRA] = zlib.crc32(extra_bytes)
+        checksums[METADATA] = crc32_of_file(os.path.join(tmp, METADATA))
+        marker = new_marker(step, global_world_size(), optimizer is not None, checksums)
+        atomic.publish(path, {EXTRA: extra_bytes, MARKER: marker})
+
+    agree(_on_rank0(finish))
+    return path
+
+
+def _checked(path, model, optimizer, step, extra) -> tuple[str, bytes, dict]:
+    """``save``'s arguments checked on every rank and agreed (an error on one is raised on all):
+    (absolute path, the serialised ``extra``, the DCP state dict)."""
     error = extra_bytes = state = None
     try:
         path = check_path(path, "save")
@@ -73,8 +89,14 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
     agree(error)
-    agree(_on_rank0(lambda: atomic.prepare(path)))
-    tmp = atomic.scratch(path)[0]
+    return path, extra_bytes, state
+
+
+def _write(path: str, tmp: str, state: dict) -> dict[str, int]:
+    """Every rank writes its pieces into the scratch directory ``tmp`` (DCP); returns the CRC-32 of
+    each shard file this rank wrote. DCP gathers the ranks' write errors: raised on every rank."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
     writer = ChecksummingWriter(tmp)
     try:
         with single_process_quiet():
@@ -82,16 +104,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     except CheckpointException as exc:  # a BaseException: make it an ordinary, readable error
         raise RuntimeError(f"save: writing checkpoint {path} failed on rank(s) {failures(exc)}; the "
                            f"checkpoints already in {os.path.dirname(path)} are intact") from exc
-    checksums = _gather_checksums(writer.checksums)
-
-    def finish() -> None:
-        checksums[EXTRA] = zlib.crc32(extra_bytes)
-        checksums[METADATA] = crc32_of_file(os.path.join(tmp, METADATA))
-        marker = new_marker(step, global_world_size(), optimizer is not None, checksums)
-        atomic.publish(path, {EXTRA: extra_bytes, MARKER: marker})
-
-    agree(_on_rank0(finish))
-    return path
+    return writer.checksums
 
 
 def _on_rank0(action) -> Exception | None:
