@@ -62,8 +62,8 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 
 def is_flat_candidate(p: torch.Tensor) -> bool:
-    """Whether ``p`` (with a gradient) may join a run: a flashfsdp piece, real floating point,
-    contiguous, with a dense contiguous gradient of its own dtype, device and size.
+    """Whether ``p`` (with a gradient) may join a run: a flashfsdp piece (also an empty one), real
+    floating point, contiguous, with a dense contiguous gradient of its own dtype, device and size.
 
     Raises:
         RuntimeError: a piece's gradient has another number of elements than the piece (a
@@ -78,7 +78,7 @@ def is_flat_candidate(p: torch.Tensor) -> bool:
             f"{g.numel()} elements but its sharded piece has {p.numel()}; a .grad assigned by hand must "
             f"have the piece's shape {tuple(p.shape)}")
     return (p.is_floating_point() and not p.is_complex() and p.is_contiguous() and not g.is_sparse
-            and g.is_contiguous() and g.dtype == p.dtype and g.device == p.device and p.numel() > 0)
+            and g.is_contiguous() and g.dtype == p.dtype and g.device == p.device)
 
 
 def _joins(run: Run, p: torch.Tensor, age: Callable[[torch.Tensor], object]) -> bool:
@@ -109,12 +109,14 @@ def plan_runs(params: Sequence[torch.Tensor], age: Callable[[torch.Tensor], obje
 
     Returns:
         ``(runs, rest)``: the runs, and the parameters to step one by one (not flashfsdp pieces,
-        empty pieces, sparse, complex or non-contiguous ones).
+        sparse, complex or non-contiguous ones).
     """
     candidates, rest = [], []
     for p in params:
         (candidates if is_flat_candidate(p) else rest).append(p)
-    candidates.sort(key=lambda p: (_storage_key(p)[0], p.storage_offset()))
+    # Empty pieces (parameters this rank holds none of) sit at their neighbours' offsets: they join
+    # runs (torch steps them too, their step counts must advance) in parameter order.
+    candidates.sort(key=lambda p: (_storage_key(p)[0], p.storage_offset(), getattr(p, _PIECE).param_index))
     runs: list[Run] = []
     for p in candidates:
         if runs and _joins(runs[-1], p, age):
