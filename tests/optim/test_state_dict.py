@@ -76,3 +76,20 @@ def test_layout_is_torchs(cls):
         assert sorted(entries) == sorted(theirs["state"][i])
         for key, value in entries.items():
             assert value.shape == theirs["state"][i][key].shape and value.dtype == theirs["state"][i][key].dtype
+
+
+def test_state_replaced_by_hand_is_stepped_as_given():
+    """A state tensor assigned into ``optim.state`` between steps is taken over (the cached plan
+    notices that it no longer holds its view), as torch's optimizers use what ``state`` holds."""
+    runs = []
+    for cls in (fo.AdamW, torch.optim.AdamW):
+        model = sharded_mlp()
+        optim = cls(model.parameters(), **KW[fo.AdamW])
+        train(model, optim, 2)
+        p = model.blocks[2].down.weight
+        optim.state[p]["exp_avg"] = torch.full_like(p, 0.5)
+        train(model, optim, 2)
+        runs.append((model, optim))
+    (model, optim), (ref_model, ref_optim) = runs
+    assert rel_err(list(model.parameters()), list(ref_model.parameters())) <= 1e-6
+    assert rel_err(state_tensors(optim), state_tensors(ref_optim)) <= 1e-6
