@@ -1,0 +1,149 @@
+"""Optimizer step alone: flashfsdp.optim.AdamW (one flat tensor per unit) vs torch's AdamW on
+flashfsdp pieces vs torch's AdamW on FSDP2 DTensors.
+
+    python -m benchmarks.optim_step [--world-size 2] [--layers 48] [--dim 128] [--repeats 10] [--rounds 3] [--out DIR]
+
+Every rank builds the Llama of ``benchmarks.step`` (fp32, one unit per block plus the root) twice,
+sharded by flashfsdp and by torch's FSDP2, runs one forward and backward on each (so that every
+parameter has a gradient), and then times ``optimizer.step()`` alone, the gradients left as they
+are, for each system in turn, round after round (the rounds interleave the systems, so a machine
+whose speed drifts slows each alike):
+
+- ``flashfsdp flat AdamW``: ``flashfsdp.optim.AdamW`` (torch's fused AdamW kernel over one run per unit);
+- ``torch AdamW(foreach) on flashfsdp pieces`` / ``torch AdamW(fused) on flashfsdp pieces``: the
+  stock optimizer over the same pieces, one tensor per parameter;
+- ``torch AdamW(foreach) on FSDP2 DTensors``: what an FSDP2 job steps.
+
+``step_ms``: median over ``--repeats`` steps (after one warm-up), slowest rank, median over the
+rounds; ``tensors``: tensors per step and rank (runs for the flat optimizer, parameters
+otherwise). Writes ``optim_step_w<W>.csv`` / ``.md`` / ``.png`` to ``--out`` (default
+``benchmarks/results/<device>/``). The target (issue of the flat step): flat AdamW ≤ 0.5× torch
+AdamW(foreach) on FSDP2 for a 48-unit model on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from benchmarks.common import (bar_chart, device_setup, environment_columns, format_table, measure_ms, results_dir,
+                               write_csv, write_markdown)
+from benchmarks.distributed import run_ranks, single_process_group
+from benchmarks.step import _model, _wrap
+
+SYSTEMS = {  # name: (how the model is sharded, how the optimizer is built)
+    "flashfsdp flat AdamW": ("flashfsdp", "flat"),
+    "torch AdamW(foreach) on flashfsdp pieces": ("flashfsdp", "foreach"),
+    "torch AdamW(fused) on flashfsdp pieces": ("flashfsdp", "fused"),
+    "torch AdamW(foreach) on FSDP2 DTensors": ("fsdp2", "foreach"),
+}
+BASELINE = "torch AdamW(foreach) on FSDP2 DTensors"
+COLUMNS = ["system", "world_size", "units", "params_M", "tensors", "step_ms", "vs_fsdp2_foreach"]
+
+
+def _optimizer(kind: str, params) -> torch.optim.Optimizer:
+    import flashfsdp.optim  # noqa: PLC0415
+
+    if kind == "flat":
+        return flashfsdp.optim.AdamW(params, lr=1e-6, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01, foreach=kind == "foreach", fused=kind == "fused")
+
+
+def _with_grads(sharding: str, args, device: torch.device) -> nn.Module:
+    model = _wrap(sharding, _model(args, device), args, device)
+    tokens = torch.randint(0, 256, (2, args.seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    logits = model(tokens[:, :-1])
+    nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+    return model
+
+
+def _tensors(optim: torch.optim.Optimizer) -> int:
+    from flashfsdp.optim.runs import plan_runs  # noqa: PLC0415
+
+    params = [p for g in optim.param_groups for p in g["params"] if p.grad is not None]
+    if not hasattr(optim, "_flat_step"):
+        return len(params)
+    runs, rest = plan_runs(params, optim._age)
+    return len(runs) + len(rest)
+
+
+def _run(rank: int, world_size: int, args) -> dict:
+    torch.set_num_threads(max(1, args.threads))
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    models = {sharding: _with_grads(sharding, args, device) for sharding in ("flashfsdp", "fsdp2")}
+    optims = {name: _optimizer(kind, models[sharding].parameters()) for name, (sharding, kind) in SYSTEMS.items()}
+    times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for _ in range(args.rounds):
+        for name, optim in optims.items():
+            times[name].append(measure_ms(optim.step, device, warmup=1, repeats=args.repeats))
+    return {"times": times, "tensors": {name: _tensors(optim) for name, optim in optims.items()},
+            "params": sum(p.numel() for p in _model(args, torch.device("meta")).parameters())}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; raises SystemExit (argparse's error) for sizes below 1."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is available")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (CPU)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<device>/)")
+    parser.add_argument("--in-process", action="store_true", help="W = 1 only: run the rank in this process")
+    args = parser.parse_args(argv)
+    for key in ("world_size", "dim", "layers", "heads", "seq", "repeats", "rounds"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.in_process and args.world_size != 1:
+        parser.error(f"--in-process runs one rank: it needs --world-size 1, got {args.world_size}")
+    args.device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    args.param_dtype = "fp32"
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    """Run the benchmark (see the module docstring); return the rows written."""
+    args = parse_args(argv)
+    device, env, backend = device_setup(args.device)
+    with single_process_group(backend) if args.in_process else contextlib.nullcontext():
+        results = run_ranks(_run, args.world_size, args, backend=backend, in_process=args.in_process)
+    rows = []
+    for name in SYSTEMS:
+        per_round = [max(r["times"][name][i] for r in results) for i in range(args.rounds)]
+        rows.append({"system": name, "world_size": args.world_size, "units": args.layers + 1,
+                     "params_M": results[0]["params"] / 1e6, "tensors": results[0]["tensors"][name],
+                     "step_ms": statistics.median(per_round)})
+    base = next(r["step_ms"] for r in rows if r["system"] == BASELINE)
+    rows = [r | {"vs_fsdp2_foreach": r["step_ms"] / base} | env.stamp() for r in rows]
+    print(f"{env.device_name}: W={args.world_size} {backend}, Llama dim {args.dim} x {args.layers} layers, fp32")
+    print(format_table(rows, COLUMNS))
+    out = args.out if args.out is not None else results_dir(env.slug)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"optim_step_w{args.world_size}"
+    write_csv(rows, out / f"{tag}.csv")
+    notes = [f"Llama dim {args.dim}, {args.layers} layers + the root = {args.layers + 1} units, fp32, W = "
+             f"{args.world_size} ({backend}); optimizer.step() alone on fixed gradients, median of {args.repeats} "
+             f"steps after 1 warm-up, slowest rank, median over {args.rounds} interleaved rounds.",
+             "tensors: per rank and step (flat AdamW: runs of consecutive pieces, one per unit here; the others: "
+             "one per parameter).",
+             "On a CPU shared with other work (the 2-core CI machine), timings vary by tens of percent from run to run: "
+             "compare the ratios within one run."]
+    write_markdown(rows, COLUMNS + environment_columns(), out / f"{tag}.md", title="Optimizer step", env=env,
+                   notes=notes)
+    names = [r["system"] for r in rows]
+    bar_chart(out / f"{tag}.png", {"optimizer step (ms)": (names, {"step_ms": [r["step_ms"] for r in rows]})},
+              ylabel="ms", title=f"AdamW step, W={args.world_size}, {env.device_name}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
