@@ -35,6 +35,12 @@ class AdamW(FlatStepMixin, torch.optim.AdamW):
     of other shapes or strides, ``differentiable=True`` groups — is stepped per parameter, as torch
     steps it. Parameters whose ``.grad`` is None are not stepped (and break runs), as in torch.
 
+    Differences that do not change results: ``state`` entries are created in storage order, so
+    ``state_dict()["state"]`` lists the same keys in another order than torch's; a unit's state
+    buffers span its whole shard (padding, and pieces of parameters this optimizer does not hold,
+    included); groups that interleave within a unit (decay / no decay per parameter) split its
+    run at every border. The per-group plan is cached (``base.py``).
+
     Args: those of :class:`torch.optim.AdamW` (``params, lr, betas, eps, weight_decay, amsgrad,
         maximize, foreach, capturable, differentiable, fused``), checked by it.
 

@@ -11,7 +11,7 @@ import flashfsdp.optim as fo
 from tests.optim.common import rel_err, sharded_mlp, state_tensors, train
 
 TOL = 1e-6
-STEPS = 4
+STEPS = 3
 
 
 def _pair(flat_cls, torch_cls, groups=None, extra=False, before_step=None, **kwargs):
