@@ -12,7 +12,6 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype, _use_grad_for_differentiable
 
 from .base import FlatStepMixin, GroupPlan
-from .runs import Run
 
 
 class AdamW(FlatStepMixin, torch.optim.AdamW):
@@ -74,34 +73,30 @@ class AdamW(FlatStepMixin, torch.optim.AdamW):
         self._accelerator_graph_capture_health_check()
         return self._flat_step(closure)
 
-    def _prepare_run(self, group: dict, run: Run, on_device: bool, keys: tuple) -> None:
-        """Give each piece of ``run`` torch's state entries, its tensors as flat-buffer views."""
-        states = self._flat_states()
-        for p in run.params:
-            st = self.state[p]
-            step = st.get("step")
-            if step is None:
-                step = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device) if on_device
-                        else torch.tensor(0.0, dtype=_get_scalar_dtype()))
-            elif on_device and step.device != p.device:
-                step = step.to(device=p.device, dtype=torch.float32)
-            st["step"] = step
-            for key in keys:
-                states.adopt(p, st, key)
-
     def _build_plan(self, group: dict, plan: GroupPlan) -> None:
+        """Each run's state as flat-buffer views (``step``: 0-d views of a counter vector) and the
+        argument lists of the group's fused call, all but the gradients."""
         fused = self._uses_fused(group, plan.runs)
+        on_device = fused or group["capturable"]
+        step_dtype = _get_scalar_dtype(is_fused=fused)
+        device_of = (lambda p: p.device) if on_device else (lambda p: torch.device("cpu"))
         keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         states = self._flat_states()
+        states.reserve_steps(plan.runs, device_of, step_dtype)
         lists = ([], None, [], [], [], [])  # params, grads (per step), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
-        others = []  # step tensors of the pieces after each run's first: advanced alongside it
+        others = []  # the counters of the pieces after each run's first: advanced alongside it
         for run in plan.runs:
-            self._prepare_run(group, run, fused or group["capturable"], keys)
+            counters = states.run_steps(run, device_of(run.params[0]), step_dtype)
+            for i, p in enumerate(run.params):
+                states.adopt_step(p, self.state[p], counters[i])
+                for key in keys:
+                    states.adopt(p, self.state[p], key)
             lists[0].append(run.flat)
             for i, key in enumerate(keys):
                 lists[2 + i].append(states.run_view(run, key))
             lists[5].append(self.state[run.params[0]]["step"])
-            others += [self.state[p]["step"] for p in run.params[1:]]
+            if len(run.params) > 1:
+                others.append(counters[1:])
             plan.checks += [(p, k, self.state[p][k]) for p in run.params for k in keys + ("step",)]
         members = [p for run in plan.runs for p in run.params]
         for p in members:

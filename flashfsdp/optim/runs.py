@@ -131,6 +131,8 @@ class FlatStates:
 
     A buffer spans the whole storage of the master shard (S elements, zeros when created), so a
     piece's state is ``buffer[piece.storage_offset() : ... + numel]`` and a run's is one slice.
+    Step counters (Adam's ``step``) are 0-d views into one vector per shard indexed by parameter
+    index, so a run's counters are one slice too and advance with one operation.
     Buffers of a shard no optimizer group steps any more are dropped at the next :meth:`retain`.
     """
 
@@ -166,6 +168,35 @@ class FlatStates:
               or value.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()):
             view.copy_(value.reshape(view.shape))
         state[key] = view
+
+    def reserve_steps(self, runs: Sequence[Run], device_of, dtype: torch.dtype) -> None:
+        """Make every shard's step-counter vector long enough for ``runs`` (before any
+        :meth:`step_view`: a vector that grows is replaced, and views into the old one are copied
+        over by :meth:`adopt_step`). ``device_of(param)`` gives where a piece's counter lives."""
+        need: dict[tuple, int] = {}
+        for run in runs:
+            key = _storage_key(run.params[0]) + ("step", device_of(run.params[0]), dtype)
+            need[key] = max(need.get(key, 0), getattr(run.params[-1], _PIECE).param_index + 1)
+        for key, n in need.items():
+            buf = self._buffers.get(key)
+            if buf is None or buf.numel() < n:
+                self._buffers[key] = torch.zeros(n, dtype=dtype, device=key[5])
+
+    def run_steps(self, run: Run, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The step counters of the run's pieces: one per piece, consecutive (its pieces' parameter
+        indices are), 0-d views of which are the pieces' ``state["step"]``."""
+        buf = self._buffers[_storage_key(run.params[0]) + ("step", device, dtype)]
+        first = getattr(run.params[0], _PIECE).param_index
+        return buf[first : first + len(run.params)]
+
+    def adopt_step(self, p: torch.Tensor, state: dict, counter: torch.Tensor) -> None:
+        """Make ``state["step"]`` the 0-d tensor ``counter``, with the value it held (0 if none)."""
+        value = state.get("step")
+        if value is None:
+            counter.zero_()
+        elif value.data_ptr() != counter.data_ptr() or value.device != counter.device:
+            counter.copy_(value)
+        state["step"] = counter
 
     def retain(self, runs: Sequence[Run]) -> None:
         """Drop the buffers of shards that none of ``runs`` uses (after a re-home or re-wrap)."""
