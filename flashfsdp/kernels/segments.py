@@ -19,8 +19,11 @@ def gap_segments(
 
     The ranges may come in any order and must be disjoint (validation guarantees it); empty ranges
     are ignored. Returns ``(gap_starts, gap_lengths)``: int64 arrays, sorted, every length > 0.
-    Vectorised (numpy), so a unit of thousands of tensors costs microseconds.
+    Vectorised (numpy), so a unit of thousands of tensors costs microseconds; up to
+    ``SMALL_RANGE_COUNT`` ranges given as lists, plain Python (cheaper than numpy's per-call cost).
     """
+    if isinstance(starts, list) and isinstance(lengths, list) and len(starts) <= SMALL_RANGE_COUNT:
+        return _few_gap_segments(starts, lengths, total)
     starts = np.asarray(starts, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     nonempty = lengths > 0
@@ -31,6 +34,24 @@ def gap_segments(
     gap_lengths = np.concatenate((begins, [total])) - gap_starts
     keep = gap_lengths > 0
     return gap_starts[keep], gap_lengths[keep]
+
+
+# Up to this many ranges, gap_segments (and validation.check_ranges) run in plain Python.
+SMALL_RANGE_COUNT = 64
+
+
+def _few_gap_segments(starts: list[int], lengths: list[int], total: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`gap_segments` of a few ranges in plain Python; the same arrays."""
+    gap_starts, gap_lengths, end = [], [], 0
+    for begin, length in sorted((s, n) for s, n in zip(starts, lengths) if n > 0):
+        if begin > end:
+            gap_starts.append(end)
+            gap_lengths.append(begin - end)
+        end = begin + length
+    if total > end:
+        gap_starts.append(end)
+        gap_lengths.append(total - end)
+    return np.array(gap_starts, dtype=np.int64), np.array(gap_lengths, dtype=np.int64)
 
 
 # [Note: segment tables]

@@ -22,7 +22,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from flashfsdp.kernels.segments import DTYPE_CODES, ZERO_CODE
+from flashfsdp.kernels.segments import DTYPE_CODES, SMALL_RANGE_COUNT, ZERO_CODE
 
 # The float dtypes every op reads and writes. The kernels compute in fp32; an op with a float64
 # tensor runs the reference instead, which then computes in float64 (no precision lost on
@@ -110,8 +110,12 @@ def check_ranges(
 
     Each range must lie inside ``[0, buffer_numel]``; with ``disjoint``, non-empty ranges must not
     overlap each other. Offsets need not be sorted: the check sorts them (numpy, so a unit of
-    thousands of tensors costs microseconds). Raises ``ValueError`` naming the first bad entry.
+    thousands of tensors costs microseconds; a unit of a few tensors is checked in plain Python,
+    whose per-call cost is a fraction of numpy's). Raises ``ValueError`` naming the first bad entry.
     """
+    if len(offsets) <= SMALL_RANGE_COUNT:
+        _check_few_ranges(op, items_name, offsets, numels, buffer_name, buffer_numel, disjoint)
+        return
     sizes = np.asarray(numels, dtype=np.int64)
     try:
         starts = np.asarray(offsets, dtype=np.int64)
@@ -141,6 +145,31 @@ def check_ranges(
             f"{op}: offsets[{cur}]={offsets[cur]} overlaps {items_name}[{prev}] which covers "
             f"[{offsets[prev]}, {offsets[prev] + numels[prev]})"
         )
+
+
+# Up to SMALL_RANGE_COUNT ranges, check_ranges (and segments.gap_segments) run in plain Python: each
+# numpy call costs microseconds of its own, which dominated the per-unit host time of small units.
+
+def _check_few_ranges(op: str, items_name: str, offsets: list[int], numels: list[int], buffer_name: str,
+                      buffer_numel: int, disjoint: bool) -> None:
+    """:func:`check_ranges` in plain Python (exact integers: no wrap-around), same errors, same order."""
+    for i, (start, size) in enumerate(zip(offsets, numels)):
+        if start < 0:
+            raise ValueError(f"{op}: offsets[{i}]={start} is negative")
+        if start > buffer_numel - size:
+            raise ValueError(
+                f"{op}: offsets[{i}]={start} with {items_name}[{i}] of {size} elements ends at "
+                f"{start + size}, past {buffer_name}.numel()={buffer_numel}"
+            )
+    if not disjoint:
+        return
+    order = sorted([i for i, size in enumerate(numels) if size > 0], key=offsets.__getitem__)
+    for prev, cur in zip(order, order[1:]):
+        if offsets[cur] < offsets[prev] + numels[prev]:
+            raise ValueError(
+                f"{op}: offsets[{cur}]={offsets[cur]} overlaps {items_name}[{prev}] which covers "
+                f"[{offsets[prev]}, {offsets[prev] + numels[prev]})"
+            )
 
 
 class ScannedItems(NamedTuple):
