@@ -383,10 +383,11 @@ class FlatParam:
         """Cast ``sharded_flat`` to ``param_dtype`` into this rank's slice of the unsharded buffer
         (with ``offload``: a host-to-device copy, asynchronous from pinned memory)."""
         self.gathered_at = (_shard_epoch, self.sharded_flat._version)
-        if self.shard_device != self.device:
+        # One S-element tensor into an S-element slice: ``copy_`` is the one cast launch that
+        # ``flatten`` would make (the same rounding, nearest even), without its per-call
+        # validation of a multi-tensor layout, the host cost of every unshard of small units.
+        with torch.no_grad():
             self.shard_slice_of_unsharded().copy_(self.sharded_flat, non_blocking=self.pin_memory)
-            return
-        flatten([self.sharded_flat], [0], self.shard_slice_of_unsharded())
 
     def gathered_is_stale(self) -> bool:
         """Whether the shard may have changed since the last copy-in (see [Note: stale unsharded
