@@ -117,14 +117,19 @@ def all_gather_bytes(comm: Communicator, data: bytes, device: torch.device) -> l
     return [p[: int.from_bytes(n, "little")] for p, n in zip(padded, lengths)]
 
 
-def all_gather_fixed(comm: Communicator, data: bytes, device: torch.device) -> list[bytes]:
+def all_gather_fixed(comm: Communicator, data: bytes, device: torch.device, over_group: bool = False) -> list[bytes]:
     """Collective over ``comm``: every rank's ``data``, by rank; every rank passes the same length.
-    One all-gather of a uint8 tensor on ``device``."""
+    One all-gather of a uint8 tensor on ``device``; with ``over_group``, issued on the
+    communicator's torch process group where it has one (not through the communicator)."""
     if comm.world_size == 1:
         return [data]
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(0, dtype=torch.uint8, device=device)
     out = torch.empty(len(data) * comm.world_size, dtype=torch.uint8, device=device)
-    comm.all_gather_into_tensor(out, mine).wait()
+    group = getattr(comm, "group", None) if over_group and dist.is_initialized() else None
+    if group is not None:
+        dist.all_gather_into_tensor(out, mine, group=group)
+    else:
+        comm.all_gather_into_tensor(out, mine).wait()
     flat = out.cpu().numpy().tobytes()
     return [flat[r * len(data) : (r + 1) * len(data)] for r in range(comm.world_size)]
 

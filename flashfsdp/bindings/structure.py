@@ -6,7 +6,7 @@ parameters, in the same order, of the same shapes and dtypes. A model built diff
 collectives of different sizes: gloo aborts the process, NCCL hangs or reads out of bounds. So the
 root's lazy init (its first forward), and the state-dict functions that gather before any forward,
 call :func:`check_same_structure`: per communicator, one all-gather of a 32-byte digest of its
-units' structure; only when the digests differ are the descriptions themselves gathered, to name
+units' structure (over its torch process group: a control-plane collective, not one of the units'); only when the digests differ are the descriptions themselves gathered, to name
 the first difference. A unit is checked once (on every rank alike: the ranks run the same calls).
 """
 
@@ -66,7 +66,9 @@ def check_same_structure(states: Iterable, error: BaseException | None = None) -
         comm, device = group_states[0].unit.comm, group_states[0].unit.device
         rows = head + [row for state in group_states for row in unit_structure(state)]
         encoded = json.dumps(rows).encode()
-        digests = all_gather_fixed(comm, hashlib.sha256(encoded).digest(), device)
+        # over the torch process group: a control-plane collective, not one of the unit's (which
+        # its communicator carries, counts and traces)
+        digests = all_gather_fixed(comm, hashlib.sha256(encoded).digest(), device, over_group=True)
         if len(set(digests)) > 1:
             everyone = [json.loads(b) for b in all_gather_bytes(comm, encoded, device)]
             raise_agreed([tuple(rows[0][1:]) if rows and rows[0][0] == "error" else None for rows in everyone], error)
