@@ -17,6 +17,7 @@ import json
 import weakref
 from typing import Iterable
 
+from .autograd import outside_functorch
 from .agreement import all_gather_bytes, all_gather_fixed, error_payload, raise_agreed, raise_own
 
 # Units already found identical on every rank (weakly: a unit's state dies with its module).
@@ -62,6 +63,15 @@ def check_same_structure(states: Iterable, error: BaseException | None = None) -
             continue
         by_comm.setdefault(id(state.unit.comm), []).append(state)
     head = [] if error is None else [["error", *error_payload(error)]]
+    with outside_functorch():  # a first forward inside torch.func.jvp: plain tensors here
+        _exchange(by_comm, head, error)
+    raise_own(error)  # the same error on every rank (or W = 1)
+    for group_states in by_comm.values():
+        _checked.update(group_states)
+
+
+def _exchange(by_comm: dict[int, list], head: list, error: BaseException | None) -> None:
+    """Per communicator: the digests all-gathered; on a mismatch the rows, and the error."""
     for group_states in by_comm.values():
         comm, device = group_states[0].unit.comm, group_states[0].unit.device
         rows = head + [row for state in group_states for row in unit_structure(state)]
@@ -73,9 +83,6 @@ def check_same_structure(states: Iterable, error: BaseException | None = None) -
             everyone = [json.loads(b) for b in all_gather_bytes(comm, encoded, device)]
             raise_agreed([tuple(rows[0][1:]) if rows and rows[0][0] == "error" else None for rows in everyone], error)
             raise ValueError(describe_difference(everyone))
-    raise_own(error)  # the same error on every rank (or W = 1)
-    for group_states in by_comm.values():
-        _checked.update(group_states)
 
 
 def describe_difference(rows_by_rank: list[list[list]]) -> str:
