@@ -15,6 +15,7 @@ caches, its imported modules).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 import time
@@ -63,6 +64,10 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, setup: _Ra
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
         raise
     finally:
+        # The rank's models (reference cycles holding communicators and gloo work handles) go
+        # before their process group: collected after it, at interpreter exit, gloo could abort
+        # the process ("terminate called without an active exception") after the result was saved.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ data order and schedule at any world size. Ctrl-C: see [Note: interrupts] in
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import TYPE_CHECKING
 
@@ -334,4 +335,5 @@ def run_worker(config: TrainConfig, corpus: Corpus | None = None,
         return Trainer(config, corpus, rank, world_size, device, stop, resume_from).train()
     finally:
         stop.restore()
+        gc.collect()  # the model (cycles holding communicators and work handles) before its process group
         dist.destroy_process_group()

@@ -17,6 +17,7 @@ the case returned with what the ``torch`` run of the same case returned (see :me
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import os
 import tempfile
@@ -224,4 +225,5 @@ def _worker(rank: int, world_size: int, module_name: str, jobs, tmp: str) -> Non
         except BaseException:
             _save({"error": traceback.format_exc()}, path)
             os._exit(1)  # the other ranks may be inside a collective: do not try to resume
+    gc.collect()  # the cases' models before their process group (see benchmarks/distributed.py)
     dist.destroy_process_group()
