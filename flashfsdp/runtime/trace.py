@@ -111,7 +111,7 @@ def labelled(kind: str, unit_name: Callable[[object], str] = _unit_name_of) -> C
 
 
 # ------------------------------------------------------------------------------ spans
-@dataclass
+@dataclass(slots=True)
 class Span:
     """One recorded interval. Times in microseconds from the profile's start once resolved.
 
