@@ -14,7 +14,6 @@ from torch.optim.optimizer import _use_grad_for_differentiable
 from torch.optim.sgd import sgd
 
 from .base import FlatStepMixin, GroupPlan
-from .runs import Run
 
 
 class SGD(FlatStepMixin, torch.optim.SGD):
