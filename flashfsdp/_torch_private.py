@@ -81,6 +81,16 @@ def private(module: str, attribute: str) -> Any:
     return value
 
 
+def optional_private(module: str, attribute: str) -> Any:
+    """:func:`private`, or None where this torch lacks the API: for the ones flashfsdp can do
+    without (its caller has a slower public fallback, and ``tests/test_torch_private.py`` checks
+    that the tested torch has it)."""
+    try:
+        return private(module, attribute)
+    except ImportError:
+        return None
+
+
 # ---------------------------------------------------------------------------------------- autograd
 # bindings/autograd.py: the post-backward gate asks the engine which nodes this backward runs.
 current_graph_task_id = private("torch", "_C._current_graph_task_id")  # () -> int, -1 outside backward
@@ -91,6 +101,17 @@ DisableFuncTorch = private("torch", "_C._DisableFuncTorch")  # context manager
 unsafe_set_version_counter = private("torch", "_C._autograd._unsafe_set_version_counter")  # (tensors, versions)
 # runtime/trace.py: labels are formatted only while torch.profiler records.
 profiler_enabled = private("torch", "_C._autograd._profiler_enabled")  # () -> bool
+# runtime/elision.py: whether saved-tensor hooks are enabled, and the innermost pair pushed.
+saved_tensors_hooks_is_enabled = private("torch", "_C._autograd._saved_tensors_hooks_is_enabled")  # () -> bool
+top_saved_tensors_default_hooks = private("torch", "_C._autograd._top_saved_tensors_default_hooks")  # (ignore_is_tracing) -> (pack, unpack) | None
+
+# ------------------------------------------------------------------------------- torch.compile
+# bindings/compile_boundary.py: mark the units' hooks so Dynamo skips their frames (fallback:
+# torch.compiler.disable, a wrapper with a cost per call).
+_EVAL_FRAME = "torch._C._dynamo.eval_frame"
+set_code_exec_strategy = optional_private(_EVAL_FRAME, "set_code_exec_strategy")  # (code, strategy)
+FrameExecStrategy = optional_private(_EVAL_FRAME, "_FrameExecStrategy")  # (cur_action, recursive_action)
+FrameAction = optional_private(_EVAL_FRAME, "_FrameAction")  # enum: DEFAULT, SKIP, RUN_ONLY
 
 # ---------------------------------------------------------------------------- tensor subclasses
 # bindings/sharded_tensor.py (ShardedPiece) and bindings/init_window.py (full-shape stand-ins).
@@ -117,6 +138,13 @@ get_default_store = private("torch.distributed.distributed_c10d", "_get_default_
 get_registry = private("torch.distributed._composable.contract", "_get_registry")  # bindings/_init.py
 REGISTRY_KEY = private("torch.distributed._composable.contract", "REGISTRY_KEY")
 RegistryItem = private("torch.distributed._composable.contract", "RegistryItem")
+# bindings/elision.py (a checkpoint-wrapped unit recomputes, so it gathers in backward) and
+# train/activation_checkpointing.py (--activation-checkpointing, as torch's recipes apply it).
+_CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+ActivationWrapper = private(_CHECKPOINT_WRAPPER, "ActivationWrapper")
+CheckpointImpl = private(_CHECKPOINT_WRAPPER, "CheckpointImpl")
+apply_activation_checkpointing = private(_CHECKPOINT_WRAPPER, "apply_activation_checkpointing")
+checkpoint_wrapper = private(_CHECKPOINT_WRAPPER, "checkpoint_wrapper")
 # fsdp1/wrap.py: FSDP1's auto-wrap policies, run as torch runs them.
 override_module_mixed_precision = private("torch.distributed.fsdp._common_utils", "_override_module_mixed_precision")
 WrapPolicy = private("torch.distributed.fsdp.wrap", "_Policy")

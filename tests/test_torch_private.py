@@ -44,23 +44,16 @@ BEHAVIOUR = {
     "unsafe_set_version_counter", "profiler_enabled", "make_wrapper_subclass", "disabled_torch_function_impl",
     "DisableTorchFunctionSubclass", "aten_to_copy", "pytree", "foreach_copy_", "foreach_add_", "foreach_sub_",
     "foreach_mul_", "assert_async", "REGISTRY_KEY", "RegistryItem", "WrapPolicy",
+    "saved_tensors_hooks_is_enabled", "top_saved_tensors_default_hooks", "set_code_exec_strategy",
+    "FrameExecStrategy", "FrameAction", "ActivationWrapper", "CheckpointImpl",
+    "apply_activation_checkpointing", "checkpoint_wrapper",
 }
-# Files not yet routed through flashfsdp._torch_private, with what they use: each entry is a debt.
-CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
-UNROUTED = {
-    "runtime/elision.py": {"torch._C"},
-    "bindings/elision.py": {"torch.distributed._composable.contract", CHECKPOINT_WRAPPER},
-    "train/activation_checkpointing.py": {CHECKPOINT_WRAPPER},
-    "bindings/compile_boundary.py": {"torch._C._dynamo.eval_frame"},
-}
-
-
 def _defined_names() -> set[str]:
-    """The names _torch_private.py assigns from ``private(...)``."""
+    """The names _torch_private.py assigns from ``private(...)`` or ``optional_private(...)``."""
     tree = ast.parse(pathlib.Path(tp.__file__).read_text())
     return {node.targets[0].id for node in tree.body
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-            and getattr(node.value.func, "id", None) == "private"}
+            and getattr(node.value.func, "id", None) in ("private", "optional_private")}
 
 
 def test_every_private_name_is_checked_here():
@@ -198,6 +191,58 @@ def test_checkpoint_helpers():
     assert root == {"a": {"b": 5}}
 
 
+def test_saved_tensor_hook_state():
+    assert tp.saved_tensors_hooks_is_enabled() is True
+    assert tp.top_saved_tensors_default_hooks(True) is None
+
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert tp.top_saved_tensors_default_hooks(True) == (pack, unpack)
+    assert tp.top_saved_tensors_default_hooks(True) is None
+    with torch.autograd.graph.disable_saved_tensors_hooks("off"):
+        assert tp.saved_tensors_hooks_is_enabled() is False
+    assert tp.saved_tensors_hooks_is_enabled() is True
+
+
+def test_frame_exec_strategy_is_present_and_skips_a_frame():
+    # Optional in flashfsdp (a slower public fallback exists), required of the torch it is tested with.
+    assert None not in (tp.set_code_exec_strategy, tp.FrameExecStrategy, tp.FrameAction)
+    calls = []
+
+    def eager_only(x):
+        calls.append(torch.compiler.is_compiling())
+        return x + 1
+
+    tp.set_code_exec_strategy(eager_only.__code__, tp.FrameExecStrategy(tp.FrameAction.SKIP, tp.FrameAction.SKIP))
+    eager_only._torchdynamo_disable = True
+
+    @torch.compile(backend="eager")
+    def f(x):
+        return eager_only(x * 2) - 1
+
+    assert f(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert calls == [False]
+
+
+def test_optional_private_is_none_where_missing():
+    assert tp.optional_private("torch", "_no_such_api") is None
+
+
+def test_checkpoint_wrapper_helpers():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    wrap = lambda m: tp.checkpoint_wrapper(m, checkpoint_impl=tp.CheckpointImpl.NO_REENTRANT)  # noqa: E731
+    tp.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, nn.Linear))
+    wrapped = [m for m in model if isinstance(m, tp.ActivationWrapper)]
+    assert len(wrapped) == 2
+    model(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert model[0]._checkpoint_wrapped_module.weight.grad is not None
+
+
 def _private_uses(path: pathlib.Path) -> set[str]:
     """torch's private modules and names ``path`` imports or reads as ``torch._...`` attributes."""
     found = set()
@@ -225,8 +270,6 @@ def test_the_rest_of_flashfsdp_reaches_private_apis_through_one_module():
         if rel == "_torch_private.py":
             continue
         uses = _private_uses(path)
-        allowed = UNROUTED.get(rel, set())
-        extra = {u for u in uses if not any(u == a or u.startswith(a + ".") for a in allowed)}
-        if extra:
-            offenders[rel] = sorted(extra)
+        if uses:
+            offenders[rel] = sorted(uses)
     assert not offenders, f"route these through flashfsdp/_torch_private.py: {offenders}"

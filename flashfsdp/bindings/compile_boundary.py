@@ -30,19 +30,15 @@ from typing import Callable
 
 import torch
 
+from flashfsdp._torch_private import FrameAction, FrameExecStrategy, set_code_exec_strategy
+
 
 def _frame_skipper() -> Callable[[object], None] | None:
     """A function that makes Dynamo skip a code object and every frame it calls, or None on a
-    torch without the frame-execution strategy API (private: ``torch._C._dynamo.eval_frame``)."""
-    try:
-        from torch._C._dynamo.eval_frame import (  # noqa: PLC0415
-            _FrameAction,
-            _FrameExecStrategy,
-            set_code_exec_strategy,
-        )
-    except ImportError:
+    torch without the frame-execution strategy API (private, see ``flashfsdp._torch_private``)."""
+    if None in (set_code_exec_strategy, FrameExecStrategy, FrameAction):
         return None
-    strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
     return lambda code: set_code_exec_strategy(code, strategy)
 
 

@@ -40,9 +40,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from torch.distributed._composable.contract import _get_registry
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-
+from flashfsdp._torch_private import ActivationWrapper
+from flashfsdp._torch_private import get_registry as _get_registry
 from flashfsdp.runtime import trace
 from flashfsdp.runtime.elision import (BackwardNeeds, SavedTensorWatch, buffer_ranges, start_watch, stop_watch,
                                        watch_possible)

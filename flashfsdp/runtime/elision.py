@@ -34,6 +34,8 @@ from typing import Sequence
 
 import torch
 
+from flashfsdp._torch_private import saved_tensors_hooks_is_enabled, top_saved_tensors_default_hooks
+
 __all__ = ["BackwardNeeds", "SavedTensorWatch", "buffer_ranges", "overlaps", "start_watch", "stop_all_watches",
            "stop_watch", "watch_possible"]
 
@@ -107,7 +109,7 @@ _HOOKS = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)  # entered and
 
 def _ours_on_top() -> bool:
     """Whether the innermost saved-tensor hooks are this module's."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    top = top_saved_tensors_default_hooks(True)
     return top is not None and top[0] is _pack
 
 
@@ -115,9 +117,9 @@ def watch_possible() -> bool:
     """Whether a watch can start now: saved-tensor hooks are enabled and the innermost ones, if any,
     are ours (another pair — ``torch.utils.checkpoint``, ``save_on_cpu`` — would be hidden by ours,
     and it decides what the backward reads: no watch then)."""
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+    if not saved_tensors_hooks_is_enabled():
         return False
-    return torch._C._autograd._top_saved_tensors_default_hooks(True) is None or _ours_on_top()
+    return top_saved_tensors_default_hooks(True) is None or _ours_on_top()
 
 
 def start_watch(ranges: Sequence[tuple[int, int]]) -> SavedTensorWatch:

@@ -13,11 +13,8 @@ from __future__ import annotations
 import functools
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
+
+from flashfsdp._torch_private import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
 
 from flashfsdp.models import Block
 
