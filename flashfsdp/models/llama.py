@@ -9,7 +9,7 @@ embedding. Parameter names follow torchtitan's llama model (`torchtitan/models/l
 
 Sharding: every `Block` is its own `nn.Module`, so `fully_shard(block)` for each block and then
 `fully_shard(model)` for the root (embedding, final norm, tied output) gives one unit per block
-plus the root. All parameters are floating point; the rotary cos/sin tables are non-persistent
+plus the root. All parameters are floating point; the rotary frequencies are non-persistent
 buffers (not in the state dict, never sharded) recomputed from the config by `init_weights`.
 """
 
@@ -37,7 +37,7 @@ class LlamaConfig:
             n_heads / n_kv_heads query heads); None means n_heads (multi-head attention).
         ffn_dim: SwiGLU hidden width; None means `multiple_of`-rounded 8·dim/3 (Llama's rule).
         multiple_of: rounding for the default `ffn_dim`.
-        max_seq_len: longest sequence the rotary tables cover (tokens).
+        max_seq_len: longest sequence the model accepts (tokens).
         norm_eps: RMSNorm epsilon.
         rope_theta: rotary base frequency θ.
         tie_embeddings: share one (vocab_size, dim) matrix between `tok_embeddings` and `output`.
@@ -170,45 +170,62 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
-    """Rotary-embedding tables (Su et al. 2021, "RoFormer").
-
-    Channel pair i of a head at position m is rotated by the angle m·θ^(-2i/head_dim).
+def rotary_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """Rotary-embedding inverse frequencies θ^(-2i/head_dim), i < head_dim/2 (Su et al. 2021,
+    "RoFormer"), computed in fp32 exactly as transformers' Llama computes them.
 
     Returns:
-        (cos, sin): fp32 tensors of shape (max_seq_len, head_dim // 2).
+        An fp32 tensor of shape (head_dim // 2,).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles m·θ_i for positions m < seq, each frequency repeated for the two
+    halves of a head: the same fp32 ops, on the same shapes, as transformers'
+    ``LlamaRotaryEmbedding`` (so an exported model computes the same bits).
+
+    Args:
+        inv_freq: (head_dim // 2,) from :func:`rotary_inv_freq` (any float dtype; used in fp32).
+        seq: number of positions.
+
+    Returns:
+        (cos, sin): fp32 tensors of shape (1, seq, head_dim) on ``inv_freq``'s device.
+    """
+    positions = torch.arange(seq, device=inv_freq.device).unsqueeze(0)
+    freqs = positions[..., None].float() * inv_freq.float()
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs (x[2i], x[2i+1]) of every head by the position's angle.
+    """Rotate channel pairs (x[i], x[i + head_dim/2]) of every head by the position's angle.
 
-    Meta's Llama convention: the same as multiplying the complex number x[2i] + j·x[2i+1] by
-    exp(j·m·θ_i), done with real arithmetic in fp32 so that bf16 inputs work.
+    The half-split layout of transformers' Llama (``rotate_half``): the same as multiplying the
+    complex number x[i] + j·x[i + head_dim/2] by exp(j·m·θ_i), in fp32 so that bf16 inputs keep
+    their digits (transformers rotates bf16 in bf16; in fp32 the ops and results are its own).
 
     Args:
         x: (batch, heads, seq, head_dim), any float dtype.
-        cos, sin: (seq, head_dim // 2) for the positions of `x`.
+        cos, sin: (1, seq, head_dim) fp32, from :func:`rotary_cos_sin`.
 
     Returns:
         A tensor shaped and typed like `x`.
     """
-    x32 = x.float().unflatten(-1, (-1, 2))
-    even, odd = x32[..., 0], x32[..., 1]
-    cos, sin = cos.float(), sin.float()
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    x32 = x.float()
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x32.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return ((x32 * cos) + (rotated * sin)).type_as(x)
 
 
 class Attention(nn.Module):
     """Causal multi-head self-attention with rotary embeddings, no biases.
 
     Shapes: x (batch, seq, dim) → (batch, seq, dim); seq ≤ config.max_seq_len.
-    Owns the rotary tables as non-persistent fp32 buffers `rope_cos`, `rope_sin`
-    of shape (max_seq_len, head_dim // 2).
+    Owns the rotary inverse frequencies as a non-persistent fp32 buffer `rope_inv_freq` of shape
+    (head_dim // 2,); each forward computes its positions' cos and sin from it (a few small ops,
+    the way transformers' Llama does, so that an exported model's logits are the same bits).
     """
 
     def __init__(self, config: LlamaConfig):
@@ -222,16 +239,12 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
-        cos, sin = rotary_tables(self.head_dim, self.max_seq_len, self.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_inv_freq", rotary_inv_freq(self.head_dim, self.rope_theta), persistent=False)
 
     def reset_buffers(self) -> None:
-        """Recompute the rotary tables in place (after `to_empty` from the meta device)."""
-        cos, sin = rotary_tables(self.head_dim, self.max_seq_len, self.rope_theta)
+        """Recompute the rotary frequencies in place (after `to_empty` from the meta device)."""
         with torch.no_grad():
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+            self.rope_inv_freq.copy_(rotary_inv_freq(self.head_dim, self.rope_theta))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -242,11 +255,12 @@ class Attention(nn.Module):
             )
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k, v = (w(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
-        if self.n_kv_heads != self.n_heads:  # grouped-query attention: a K/V head per group of query heads
-            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = rotary_cos_sin(self.rope_inv_freq, seq)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention (a K/V head per group of query heads) inside SDPA, as transformers
+        # calls it without a mask; the scale as transformers passes it.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
 
 
@@ -327,7 +341,7 @@ class Llama(nn.Module):
 
         Normal(0, 0.02) for embeddings and linear weights; the projections that write into the
         residual stream (attention.wo, feed_forward.w2) use 0.02 / sqrt(2·n_layers) (GPT-2,
-        Radford et al. 2019); RMSNorm weights are ones; rotary tables are recomputed. Values are
+        Radford et al. 2019); RMSNorm weights are ones; rotary frequencies are recomputed. Values are
         drawn on the CPU from a generator seeded with `seed`, then copied to each parameter's
         device, so a model built on the meta device and `to_empty`'d gets the same weights (the
         tied output projection is re-tied first). Call it before sharding, or after ``fully_shard``

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashfsdp.models import PRESETS, Block, Llama, LlamaConfig, config_from_preset
-from flashfsdp.models.llama import apply_rotary, rotary_tables
+from flashfsdp.models.llama import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
 TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, multiple_of=16, max_seq_len=16)
 
@@ -72,13 +72,16 @@ def test_meta_device_then_init_matches():
 def test_rotary_matches_complex_reference():
     head_dim, seq = 8, 12
     x = torch.randn(2, 3, seq, head_dim)
-    cos, sin = rotary_tables(head_dim, seq, 10000.0)
-    # Reference: Llama's complex formulation, pairs (x[2i], x[2i+1]) times exp(j·m·θ_i).
+    cos, sin = rotary_cos_sin(rotary_inv_freq(head_dim, 10000.0), seq)
+    assert cos.shape == sin.shape == (1, seq, head_dim) and cos.dtype == torch.float32
+    # Reference: channel pairs (x[i], x[i + head_dim/2]) as complex numbers, times exp(j·m·θ_i).
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
     angles = torch.outer(torch.arange(seq).double(), inv_freq)
     freqs_cis = torch.polar(torch.ones_like(angles), angles)
-    xc = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2))
-    expected = torch.view_as_real(xc * freqs_cis).flatten(-2).float()
+    half = head_dim // 2
+    xc = torch.complex(x[..., :half].double(), x[..., half:].double())
+    rotated = xc * freqs_cis
+    expected = torch.cat((rotated.real, rotated.imag), dim=-1).float()
     torch.testing.assert_close(apply_rotary(x, cos, sin), expected, atol=1e-5, rtol=1e-5)
     out_bf16 = apply_rotary(x.bfloat16(), cos, sin)
     assert out_bf16.dtype == torch.bfloat16
