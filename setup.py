@@ -20,7 +20,7 @@ setup(
         "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12", "triton>=3.4"],
         "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13", "triton>=3.4"],
         "test": ["triton>=3.4", "pytest", "pytest-timeout", "hypothesis", "matplotlib", "expecttest",
-                 "transformers>=5", "safetensors", "tensorboard", "tokenizers"],
+                 "transformers>=5", "safetensors", "tensorboard", "tokenizers", "datasets", "wandb"],
         # flashfsdp-train --tensorboard and --tokenizer (--wandb: pip install wandb)
         "train": ["tensorboard", "tokenizers"],
         "hf": ["transformers>=5", "safetensors"],  # flashfsdp.save_pretrained, flashfsdp-train export

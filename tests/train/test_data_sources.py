@@ -1,7 +1,7 @@
 """--data sources beyond text files (a `datasets` save_to_disk folder) and --tokenizer (a
 tokenizer.json of the `tokenizers` package): the corpus, the model's vocabulary, the errors."""
 
-import importlib.util
+import sys
 import math
 
 import pytest
@@ -66,8 +66,8 @@ def _fake_datasets_folder(tmp_path):
     return folder
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed")
-def test_a_datasets_folder_without_datasets_installed_is_one_line(tmp_path):
+def test_a_datasets_folder_without_datasets_installed_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: its import fails
     folder = _fake_datasets_folder(tmp_path)
     with pytest.raises(UsageError, match=rf"--data {folder} is a folder saved by the datasets package; "
                                          r"reading it needs it: pip install datasets"):
