@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from flashfsdp._torch_private import ActivationWrapper
-from flashfsdp._torch_private import get_registry as _get_registry
+from flashfsdp._torch_private import REGISTRY_KEY, ActivationWrapper
 from flashfsdp.runtime import trace
 from flashfsdp.runtime.elision import (BackwardNeeds, SavedTensorWatch, buffer_ranges, start_watch, stop_watch,
                                        watch_possible)
@@ -97,9 +96,14 @@ def set_enabled(state: "FSDPState", enabled: bool) -> None:
 
 
 def _recomputes(module: nn.Module) -> bool:
-    """Whether ``module`` re-runs its forward in backward (activation checkpointing)."""
-    return (isinstance(module, ActivationWrapper) or "checkpoint" in (_get_registry(module) or {})
-            or getattr(module, "gradient_checkpointing", False) is True)
+    """Whether ``module`` re-runs its forward in backward (activation checkpointing): torch's
+    checkpoint wrapper, the composable ``checkpoint``, or transformers' ``gradient_checkpointing``
+    flag (which can be switched on at any time, so it is read at every forward). Read from the
+    instance's ``__dict__`` (then the class), not through ``nn.Module.__getattr__``: this runs for
+    every module of every unit at every forward."""
+    attributes = module.__dict__
+    flag = attributes.get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False))
+    return flag is True or isinstance(module, ActivationWrapper) or "checkpoint" in (attributes.get(REGISTRY_KEY) or ())
 
 
 def recomputes_inside(state: "FSDPState") -> bool:
@@ -109,7 +113,9 @@ def recomputes_inside(state: "FSDPState") -> bool:
         module = stack.pop()
         if _recomputes(module):
             return True
-        stack += [c for c in module.children() if c.__dict__.get("_flashfsdp_state") in (None, state)]
+        for child in module.__dict__["_modules"].values():
+            if child is not None and child.__dict__.get("_flashfsdp_state") in (None, state):
+                stack.append(child)
     return False
 
 
