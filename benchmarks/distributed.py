@@ -38,6 +38,7 @@ class _RankSetup:
     backend: str
     threads: int | None  # torch's intra-op threads per rank (None: torch's default)
     kernels: str | None  # force flashfsdp's kernel backend ("reference", "triton"); None: automatic
+    env: dict | None = None  # the caller's environment, for ranks forked from a server started earlier
 
 
 def _call(setup: _RankSetup, fn, rank: int, world_size: int, args: tuple):
@@ -50,6 +51,9 @@ def _call(setup: _RankSetup, fn, rank: int, world_size: int, args: tuple):
 
 
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str, setup: _RankSetup, fn, args) -> None:
+    if setup.env is not None:
+        os.environ.clear()
+        os.environ.update(setup.env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if setup.threads is not None:
         torch.set_num_threads(setup.threads)
@@ -83,7 +87,7 @@ def _rank_errors(out_dir: str, world_size: int) -> list[str]:
 
 
 def spawn_ranks(fn, world_size: int, args: tuple = (), *, backend: str = "gloo", threads: int | None = None,
-                kernels: str | None = None, timeout: float | None = None) -> list:
+                kernels: str | None = None, timeout: float | None = None, start_method: str = "spawn") -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return the results by rank.
 
     Args:
@@ -94,15 +98,18 @@ def spawn_ranks(fn, world_size: int, args: tuple = (), *, backend: str = "gloo",
         threads: torch's intra-op threads in each rank; None: torch's default.
         kernels: force flashfsdp's kernel backend in the ranks ("reference", "triton"); None: automatic.
         timeout: seconds before the ranks are killed and the call fails; None: no limit.
+        start_method: "spawn" (a new interpreter per rank: what the benchmarks measure) or
+            "forkserver" (ranks forked from a server that imported its preloaded modules once,
+            started by the first call; the ranks get this process's environment as it is now).
 
     Raises:
         RanksFailed: a rank raised (the message holds the tracebacks of the ranks that did).
         TimeoutError: ranks still running after ``timeout`` seconds.
     """
-    setup = _RankSetup(backend, threads, kernels)
+    setup = _RankSetup(backend, threads, kernels, None if start_method == "spawn" else dict(os.environ))
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), tmp, setup, fn, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+                                 nprocs=world_size, join=False, start_method=start_method)
         try:
             deadline = time.monotonic() + timeout if timeout is not None else None
             while not ctx.join(timeout=None if deadline is None else max(0.1, deadline - time.monotonic())):

@@ -5,12 +5,36 @@
 (anything ``torch.save`` takes) comes back in a list indexed by rank. An exception on any rank
 fails the call with that rank's traceback; a rank that hangs is killed after ``timeout`` seconds.
 The processes are started by the benchmarks' spawner (``benchmarks.distributed.spawn_ranks``),
-with one intra-op thread per rank.
+with one intra-op thread per rank, forked from a server that imported :data:`PRELOAD` once
+(:func:`start_method`): a fresh interpreter importing torch and flashfsdp costs ~2.5 s of CPU per
+rank, which over the suite's hundreds of ranks was most of its CPU time.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+
+import torch
+
 from benchmarks.distributed import RanksFailed, spawn_ranks
+
+# Imported once by the forkserver; the test modules themselves are imported in each rank.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.testing._internal.common_fsdp",
+           "torch.testing._internal.distributed._tensor.common_dtensor", "flashfsdp",
+           "flashfsdp.kernels.dispatch", "tests.fsdp2_suite.common")
+
+
+def start_method() -> str:
+    """``forkserver`` with :data:`PRELOAD` preloaded where the platform has it and no GPU is
+    present, else ``spawn`` (on a GPU machine every rank starts clean, as CUDA wants)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods() or torch.cuda.is_available():
+        return "spawn"
+    # The server imports Triton with the environment it starts with (the first process set):
+    # the kernels run under the interpreter for CPU tensors, as the root conftest sets it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
 
 
 def run_distributed(fn, world_size: int, *args, kernels: str | None = "reference", backend: str = "gloo",
@@ -29,7 +53,8 @@ def run_distributed(fn, world_size: int, *args, kernels: str | None = "reference
         TimeoutError: ranks still running after ``timeout`` seconds.
     """
     try:
-        return spawn_ranks(fn, world_size, args, backend=backend, threads=1, kernels=kernels, timeout=timeout)
+        return spawn_ranks(fn, world_size, args, backend=backend, threads=1, kernels=kernels, timeout=timeout,
+                           start_method=start_method())
     except RanksFailed as exc:
         raise AssertionError(str(exc)) from None
     except TimeoutError as exc:

@@ -5,7 +5,7 @@ processes for each would cost minutes of interpreter start-up alone. So a test m
 cases with :meth:`CaseSet.case`, and the first pytest test of a (module, world size) pair runs every
 case of that pair, for ``torch`` and for ``flashfsdp``, in one set of W ranks (``tests.harness``'
 gloo group), one after another. Each case starts from the same seed whatever ran before it. The
-ranks are forked from a server that imported torch and flashfsdp once (:func:`_start_method`).
+ranks are forked from a server that imported torch and flashfsdp once (``tests.harness.start_method``).
 
 A case that raises on one rank leaves the other ranks inside collectives that will never match, so
 the rank that failed records its traceback and exits at once; the ranks that remain are killed,
@@ -29,6 +29,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.harness import start_method
 
 IMPLS = ("torch", "flashfsdp")
 _TIMEOUT_S = 300.0
@@ -160,31 +162,9 @@ def _load(tmp: str, rank: int, index: int):
     return torch.load(path, weights_only=False) if os.path.exists(path) else None
 
 
-# What every rank imports before its first case. The ranks are forked from a server process that
-# imported these once (``forkserver``): a freshly spawned rank spends ~3 s of CPU importing them,
-# which over the suite's ~60 ranks was a third of its CPU time. The test modules themselves are
-# imported in each rank, as before.
-_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.testing._internal.common_fsdp",
-            "torch.testing._internal.distributed._tensor.common_dtensor", "flashfsdp",
-            "flashfsdp.kernels.dispatch", "tests.fsdp2_suite.common")
-
-
-def _start_method() -> str:
-    """``forkserver`` with :data:`_PRELOAD` preloaded where the platform has it, else ``spawn``."""
-    import multiprocessing  # noqa: PLC0415
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    # The server inherits this environment when it starts (the first process set): the kernels
-    # must be imported for CPU tensors (as the ranks set up in ``_worker``).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
-    return "forkserver"
-
-
 def _spawn(module_name: str, jobs: list[tuple[str, str]], world_size: int, tmp: str) -> None:
     ctx = mp.start_processes(_worker, args=(world_size, module_name, jobs, tmp), nprocs=world_size,
-                             join=False, start_method=_start_method())
+                             join=False, start_method=start_method())
     deadline = time.monotonic() + _TIMEOUT_S
     try:
         while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
