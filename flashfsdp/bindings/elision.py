@@ -44,6 +44,7 @@ from flashfsdp._torch_private import REGISTRY_KEY, ActivationWrapper
 from flashfsdp.runtime import trace
 from flashfsdp.runtime.elision import (BackwardNeeds, SavedTensorWatch, buffer_ranges, start_watch, stop_watch,
                                        watch_possible)
+from flashfsdp.runtime.quantized_gather import all_gather_nbytes
 from flashfsdp.runtime.states import ShardState
 
 from .autograd import functorch_active, in_backward
@@ -165,8 +166,13 @@ def elides(state: "FSDPState") -> bool:
 
 
 def _gathered_bytes(state: "FSDPState") -> int:
-    """Bytes one all-gather of the unit writes (its unsharded buffers, padding included)."""
-    return sum(group.unsharded_nbytes for group in state.unit.groups)
+    """Bytes one all-gather of the unit writes: its unsharded buffers (padding included), or with
+    ``all_gather_dtype=torch.int8`` the packed int8 chunks and their scales; a gather from a
+    post-forward (secondary) sharding moves ``param_dtype`` values (see ``quantized_gather.py``)."""
+    unit = state.unit
+    if unit.state is ShardState.SECONDARY:
+        return sum(group.unsharded_nbytes for group in unit.groups)
+    return all_gather_nbytes(unit.groups, unit.all_gather_dtype, unit.comm.world_size)
 
 
 def count_unshard(state: "FSDPState") -> None:

@@ -147,7 +147,9 @@ class FSDPState:
             self.unit.unshard()
 
     def wait_unshard(self) -> None:
-        """Wait for this unit's all-gather and give the module its unsharded parameters."""
+        """Wait for this unit's all-gather (issuing it if it was not prefetched) and give the module
+        its unsharded parameters."""
+        elision.count_unshard(self)  # a gather issued here, not by unshard(), counts too
         with outside_functorch():
             self.unit.wait_unshard()
         self._swap(True)

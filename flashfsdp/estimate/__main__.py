@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True, help="ranks in all (W)")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32", help="unsharded parameters' dtype")
     p.add_argument("--reduce-dtype", choices=sorted(DTYPES), help="reduce-scatter dtype (default: --param-dtype)")
+    p.add_argument("--all-gather-dtype", choices=("int8",),
+                   help="int8: the bytes of quantised all-gathers (ZeRO++ qwZ, a scale per 256 values)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--reshard-after-forward", type=_reshard, default=None, metavar="true|false|default|K")
     p.add_argument("--max-inflight", type=int, default=2, help="prefetched units ahead of compute")
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     """Print the estimate; exit status 2 with a one-line message on bad input."""
     args = build_parser().parse_args(argv)
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype],
-                                  reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None)
+                                  reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+                                  all_gather_dtype=torch.int8 if args.all_gather_dtype else None)
     sharding = "hybrid" if args.hsdp is not None else args.sharding
     options = dict(mp_policy=policy, optimizer=args.optimizer, reshard_after_forward=args.reshard_after_forward,
                    max_inflight=args.max_inflight, sharding=sharding, shard_group_size=args.hsdp)
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     hsdp = f", hybrid: {est.replicas} replicas of {est.shard_group_size} ranks" if est.replicas > 1 else ""
     print(f"Llama {args.preset}: {est.num_params:,} parameters, {len(est.units)} units, W = {est.world_size}"
           f"{hsdp}, param_dtype {args.param_dtype}, reduce_dtype {args.reduce_dtype or args.param_dtype}, "
-          f"{args.optimizer}\n")
+          f"{'int8 all-gathers, ' if args.all_gather_dtype else ''}{args.optimizer}\n")
     print(memory_table(est) + "\n")
     print(comm_table(est))
     if args.table:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .units import UnitSpec
 
 
@@ -68,7 +70,7 @@ class CommVolume:
 
 
 def step_volume(units: list[UnitSpec], all_gathers: list[tuple[str, str, int]], world_size: int,
-                shard_group: int) -> CommVolume:
+                shard_group: int, all_gather_dtype: torch.dtype | None = None) -> CommVolume:
     """The step's communication from the walked all-gathers and every unit's one reduction.
 
     Args:
@@ -76,12 +78,16 @@ def step_volume(units: list[UnitSpec], all_gathers: list[tuple[str, str, int]], 
         all_gathers: (unit name, "forward"/"backward", group size) of each all-gather of the step.
         world_size: W, all ranks; ``shard_group``: S, the ranks that shard one replica (W for
             full sharding).
+        all_gather_dtype: None, or ``torch.int8``: the all-gathers over the shard group carry
+            packed int8 (ZeRO++ qwZ); those from a post-forward sharding of fewer ranks gather
+            ``param_dtype`` values, as the runtime does.
     """
     by_name = {u.name: u for u in units}
     gathered = {"forward": 0, "backward": 0}
     sent = 0.0
     for name, phase, ranks in all_gathers:
-        nbytes = by_name[name].unsharded_bytes()
+        unit = by_name[name]
+        nbytes = unit.all_gather_bytes(all_gather_dtype) if ranks == shard_group else unit.unsharded_bytes()
         gathered[phase] += nbytes
         sent += ring_sent(nbytes, ranks, "all_gather")
     reduce_scatter = sum(u.reduce_scatter_bytes() for u in units)

@@ -118,7 +118,11 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
             (both built as ``Llama`` on the meta device, in fp32).
         world_size: W, ranks in all (>= 1).
         mp_policy: a ``MixedPrecisionPolicy`` (flashfsdp's or torch's): ``param_dtype`` of the
-            unsharded parameters, ``reduce_dtype`` of the reduce-scatter; None: full precision.
+            unsharded parameters, ``reduce_dtype`` of the reduce-scatter, flashfsdp's
+            ``all_gather_dtype=torch.int8`` for the bytes of int8 all-gathers (their transient int8
+            buffer, about one byte per element of each unit being gathered, is not in the memory
+            figures); None: full precision. Backward all-gather elision is not modelled: every
+            unit's backward all-gather is counted (an upper bound).
         optimizer: "adamw", "adam", "sgd_momentum", "sgd" or "none".
         units: the modules (or their qualified names) given their own ``fully_shard`` call, in
             forward order; the root unit holds the rest. None: each of ``model.layers``.
@@ -154,15 +158,16 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
     model = _as_model(model_or_config)
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
+    all_gather_dtype = getattr(mp_policy, "all_gather_dtype", None)
     specs = build_units(model, units, group, param_dtype, reduce_dtype)
     resolved = resolve_reshard_after_forward(reshard_after_forward, group)
     setting = ReshardSetting(resolved.reshard, resolved.explicit, resolved.post_forward_size)
     held = walk_steady_step(specs, {u.name: setting for u in specs}, group, max_inflight)
-    return _assemble(specs, held, world_size, group, optimizer, sharding, model)
+    return _assemble(specs, held, world_size, group, optimizer, sharding, model, all_gather_dtype)
 
 
 def _assemble(specs: list[UnitSpec], held: StepHoldings, world_size: int, group: int, optimizer: str,
-              sharding: str, model: nn.Module) -> Estimate:
+              sharding: str, model: nn.Module, all_gather_dtype: torch.dtype | None) -> Estimate:
     buffers, scalar_bytes = OPTIMIZER_STATES[optimizer]
     optimizer_bytes = sum(u.optimizer_state_bytes(buffers) + scalar_bytes * u.trainable_params() for u in specs)
     return Estimate(
@@ -171,7 +176,7 @@ def _assemble(specs: list[UnitSpec], held: StepHoldings, world_size: int, group:
         master_bytes=sum(u.master_bytes() for u in specs), grad_bytes=sum(u.grad_shard_bytes() for u in specs),
         optimizer_bytes=optimizer_bytes, params_peak_bytes=held.params_peak, units_at_peak=held.units_at_peak,
         unsharded_grad_bytes=held.grads_peak, reduce_buffer_bytes=held.buffers_peak,
-        transient_peak_bytes=held.transient_peak, comm=step_volume(specs, held.all_gathers, world_size, group),
+        transient_peak_bytes=held.transient_peak, comm=step_volume(specs, held.all_gathers, world_size, group, all_gather_dtype),
         optimizer=optimizer, sharding=sharding)
 
 

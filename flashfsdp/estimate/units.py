@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from flashfsdp.kernels.quantize import packed_nbytes
 from flashfsdp.runtime.layout import FlatLayout, align_elements
 
 
@@ -27,6 +28,7 @@ class GroupSpec:
         param_bytes: bytes per element of ``param_dtype`` (the unsharded buffer).
         reduce_bytes: bytes per element of ``reduce_dtype`` (gradient pack and reduce-scatter).
         trainable: whether the group's parameters require gradients.
+        floating: whether ``param_dtype`` is floating (only such groups are all-gathered in int8).
     """
 
     layout: FlatLayout
@@ -34,6 +36,7 @@ class GroupSpec:
     param_bytes: int
     reduce_bytes: int
     trainable: bool
+    floating: bool = True
 
     def busiest_rank_elements(self) -> int:
         """Parameter elements (padding excluded) of the rank that owns the most: the size of its
@@ -72,6 +75,16 @@ class UnitSpec:
     def unsharded_bytes(self) -> int:
         """The unsharded buffers: T elements in ``param_dtype`` per group."""
         return self._sum(lambda g: g.layout.total * g.param_bytes)
+
+    def all_gather_bytes(self, all_gather_dtype: torch.dtype | None) -> int:
+        """Bytes one all-gather of the unit writes over its shard group: the unsharded buffers, or
+        with ``all_gather_dtype=torch.int8`` W packed int8 chunks (values and a scale per 256) for
+        each floating group (``flashfsdp.runtime.quantized_gather.all_gather_nbytes``)."""
+        def group_bytes(g: GroupSpec) -> int:
+            if all_gather_dtype is not None and g.floating:
+                return g.layout.world_size * packed_nbytes(g.layout.shard_size)
+            return g.layout.total * g.param_bytes
+        return self._sum(group_bytes)
 
     def master_bytes(self) -> int:
         """The master shard: S elements in the original dtype per group."""
@@ -178,5 +191,5 @@ def unit_spec(name: str, params: Sequence[torch.Tensor], world_size: int, param_
         rdt = reduce_dtype or pdt
         align = align_elements([dtype.itemsize, pdt.itemsize, rdt.itemsize])
         groups.append(GroupSpec(FlatLayout.build(numels, world_size, align), dtype.itemsize, pdt.itemsize,
-                                rdt.itemsize, trainable))
+                                rdt.itemsize, trainable, pdt.is_floating_point))
     return UnitSpec(name, tuple(groups))

@@ -77,10 +77,15 @@ def _two_ranks(rank, world_size):
     groups = check_unsharded_is_dequantised_master(model, world_size)
     sizes = [(g.layout.shard_size, g.param_dtype) for m in model.modules()
              if m.__dict__.get("_flashfsdp_state") is not None for g in m._flashfsdp_state.unit.groups]
+    before = len(comm.all_gathers)
+    with flashfsdp.profile() as prof:  # the profile's byte counters count what the wire carries
+        model(torch.randint(0, 64, (2, 8))).sum().backward()
+    counted = sum(v for k, v in prof.summary()["counters"].items() if k.startswith("all_gather_bytes_"))
+    wire = world_size * sum(nbytes for _, nbytes in comm.all_gathers[before:])
     int8 = train_flashfsdp("llama", rank, world_size, steps=4, mp_policy=INT8, communicator=comm)
     bf16 = train_flashfsdp("llama", rank, world_size, steps=4, mp_policy=BF16)
     return {"groups": groups, "all_gathers": comm.all_gathers, "reduce_scatter_dtypes": comm.reduce_scatter_dtypes,
-            "int8": int8["losses"], "bf16": bf16["losses"], "sizes": sizes}
+            "int8": int8["losses"], "bf16": bf16["losses"], "sizes": sizes, "counted": counted, "wire": wire}
 
 
 def test_two_ranks_gather_int8_and_train_like_bf16():
@@ -93,6 +98,7 @@ def test_two_ranks_gather_int8_and_train_like_bf16():
         assert r["all_gathers"] and {dtype for dtype, _ in r["all_gathers"]} == {torch.int8}
         assert {nbytes for _, nbytes in r["all_gathers"]} == {packed_nbytes(s) for s, _ in r["sizes"]}
         assert set(r["reduce_scatter_dtypes"]) == {torch.bfloat16}
+        assert r["counted"] == r["wire"] > 0
         torch.testing.assert_close(r["int8"], r["bf16"], rtol=1e-2, atol=0)
         assert r["int8"] != r["bf16"]  # the quantisation is really applied
 

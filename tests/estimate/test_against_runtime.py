@@ -4,7 +4,8 @@ Each rank shards a small Llama (one unit per block, then the root), trains three
 (``zero_grad(set_to_none=False)``: the gradient shards stay, as the estimate counts them) and, at
 every unshard, adds up what every unit holds (``ShardedUnit.memory_bytes``: master and gradient
 shards, post-forward slices, unsharded buffers alive). The largest sum over steps 2-3 is compared
-with ``Estimate.unit_holdings_bytes`` (within 5%), the all-gathers of step 3 with the estimate's,
+with ``Estimate.unit_holdings_bytes`` (within 5%), the all-gathers of step 3 with the estimate's
+(their outputs' bytes: int8 packed buffers with ``all_gather_dtype=torch.int8``),
 and the optimizer state of the busiest rank with ``Estimate.optimizer_bytes``.
 """
 
@@ -30,9 +31,10 @@ def _instrument(units: list, log: dict) -> None:
         def unshard(unit=unit, original=unit.unshard):
             issues = unit.state in (ShardState.SHARDED, ShardState.SECONDARY)
             result = original()
-            if issues:
+            if issues:  # the all-gathers' outputs: int8 packed buffers, else the unsharded ones
+                packed = {id(q.group): q.packed.numel() for q in result.quantized or ()}
                 log["gathers"].append(("backward" if in_backward() else "forward",
-                                       sum(g.unsharded_nbytes for g in unit.groups)))
+                                       sum(packed.get(id(g), g.unsharded_nbytes) for g in unit.groups)))
             held = [u.memory_bytes() for u in units]
             log["held"].append(sum(h["sharded"] + h["secondary"] + h["unsharded"] for h in held))
             return result
@@ -40,10 +42,16 @@ def _instrument(units: list, log: dict) -> None:
         unit.unshard = unshard
 
 
+def _policy(param_dtype: str) -> flashfsdp.MixedPrecisionPolicy:
+    """"bf16-int8": bf16 parameters all-gathered as int8."""
+    dtype, _, gather = param_dtype.partition("-")
+    return flashfsdp.MixedPrecisionPolicy(param_dtype=DTYPES[dtype], all_gather_dtype=torch.int8 if gather else None)
+
+
 def _measure(rank: int, param_dtype: str, reshard) -> dict:
     torch.manual_seed(0)
     model = Llama(CONFIG)
-    policy = flashfsdp.MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype])
+    policy = _policy(param_dtype)
     for block in model.layers:
         flashfsdp.fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
     flashfsdp.fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
@@ -71,8 +79,7 @@ def _cases(rank: int, world_size: int, cases: list) -> list:
 
 def _check(cases: list, results: list, world_size: int) -> None:
     for i, (dtype, reshard) in enumerate(cases):
-        est = estimate(CONFIG, world_size, reshard_after_forward=reshard,
-                       mp_policy=flashfsdp.MixedPrecisionPolicy(param_dtype=DTYPES[dtype]))
+        est = estimate(CONFIG, world_size, reshard_after_forward=reshard, mp_policy=_policy(dtype))
         measured = [r[i] for r in results]
         case = f"{dtype}, reshard_after_forward={reshard}, W={world_size}"
         held = max(m["held"] for m in measured)
@@ -86,10 +93,10 @@ def _check(cases: list, results: list, world_size: int) -> None:
 
 
 def test_estimate_matches_runtime_holdings_at_two_ranks():
-    cases = [("fp32", None), ("bf16", None), ("fp32", True), ("bf16", False)]
+    cases = [("fp32", None), ("bf16", None), ("fp32", True), ("bf16", False), ("bf16-int8", None)]
     _check(cases, run_distributed(_cases, 2, cases), 2)
 
 
 def test_estimate_matches_runtime_holdings_with_post_forward_groups_at_four_ranks():
-    cases = [("bf16", 2)]
+    cases = [("bf16", 2), ("bf16-int8", 2)]
     _check(cases, run_distributed(_cases, 4, cases), 4)

@@ -104,6 +104,24 @@ def test_command_line(capsys):
     assert "unknown preset 'huge'" in capsys.readouterr().err
 
 
+def test_int8_all_gathers_halve_the_gathered_bytes_of_bf16(capsys):
+    """Each floating group's all-gather carries W packed chunks: S int8 values and a fp32 scale per
+    256 (0.508x of bf16 at these sizes); the reduce-scatter is unchanged."""
+    from flashfsdp import MixedPrecisionPolicy  # noqa: PLC0415
+    from flashfsdp.kernels.quantize import packed_nbytes  # noqa: PLC0415
+
+    bf16 = estimate("tiny", 8, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    int8 = estimate("tiny", 8, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather_dtype=torch.int8))
+    per_unit = {u.name: sum(8 * packed_nbytes(g.layout.shard_size) for g in u.groups) for u in int8.units}
+    assert int8.comm.all_gathers == bf16.comm.all_gathers
+    assert int8.comm.all_gather_forward == sum(per_unit.values())  # every unit gathered once in forward
+    assert 0.5 < int8.comm.all_gather_forward / bf16.comm.all_gather_forward < 0.52
+    assert int8.comm.reduce_scatter == bf16.comm.reduce_scatter and int8.comm.sent < bf16.comm.sent
+    assert main(["--preset", "tiny", "--world-size", "8", "--param-dtype", "bf16", "--all-gather-dtype", "int8",
+                 "--table"]) == 0
+    assert "int8 all-gathers" in capsys.readouterr().out
+
+
 def test_training_summary_prints_the_estimate_beside_the_measured_peak(tmp_path):
     from flashfsdp.train import report  # noqa: PLC0415
     from flashfsdp.train.config import TrainConfig  # noqa: PLC0415
