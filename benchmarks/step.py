@@ -189,7 +189,7 @@ def _all_gathered_bytes(model: nn.Module, spans) -> int:
 
     units = {m._flashfsdp_state.unit.name: m._flashfsdp_state.unit for m in model.modules()
              if m.__dict__.get("_flashfsdp_state") is not None}
-    per_unit = {name: all_gather_nbytes(u.groups, u.all_gather_dtype, u.comm.world_size) for name, u in units.items()}
+    per_unit = {name: all_gather_nbytes(u.groups, u.all_gather_dtype) for name, u in units.items()}
     return sum(per_unit.get(s.unit, 0) for s in spans if s.kind == "all_gather")
 
 

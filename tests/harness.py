@@ -12,6 +12,7 @@ rank, which over the suite's hundreds of ranks was most of its CPU time.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 
@@ -25,9 +26,11 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.testin
            "flashfsdp.kernels.dispatch", "tests.fsdp2_suite.common")
 
 
+@functools.cache
 def start_method() -> str:
     """``forkserver`` with :data:`PRELOAD` preloaded where the platform has it and no GPU is
-    present, else ``spawn`` (on a GPU machine every rank starts clean, as CUDA wants)."""
+    present, else ``spawn`` (on a GPU machine every rank starts clean, as CUDA wants). Decided
+    once per process: the server, once started, keeps its preload and environment."""
     if "forkserver" not in multiprocessing.get_all_start_methods() or torch.cuda.is_available():
         return "spawn"
     # The server imports Triton with the environment it starts with (the first process set):

@@ -172,7 +172,7 @@ def _gathered_bytes(state: "FSDPState") -> int:
     unit = state.unit
     if unit.state is ShardState.SECONDARY:
         return sum(group.unsharded_nbytes for group in unit.groups)
-    return all_gather_nbytes(unit.groups, unit.all_gather_dtype, unit.comm.world_size)
+    return all_gather_nbytes(unit.groups, unit.all_gather_dtype)
 
 
 def count_unshard(state: "FSDPState") -> None:

@@ -176,7 +176,8 @@ def _assemble(specs: list[UnitSpec], held: StepHoldings, world_size: int, group:
         master_bytes=sum(u.master_bytes() for u in specs), grad_bytes=sum(u.grad_shard_bytes() for u in specs),
         optimizer_bytes=optimizer_bytes, params_peak_bytes=held.params_peak, units_at_peak=held.units_at_peak,
         unsharded_grad_bytes=held.grads_peak, reduce_buffer_bytes=held.buffers_peak,
-        transient_peak_bytes=held.transient_peak, comm=step_volume(specs, held.all_gathers, world_size, group, all_gather_dtype),
+        transient_peak_bytes=held.transient_peak,
+        comm=step_volume(specs, held.all_gathers, world_size, group, all_gather_dtype),
         optimizer=optimizer, sharding=sharding)
 
 

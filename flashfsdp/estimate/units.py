@@ -14,8 +14,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flashfsdp.kernels.quantize import packed_nbytes
 from flashfsdp.runtime.layout import FlatLayout, align_elements
+from flashfsdp.runtime.quantized_gather import group_all_gather_nbytes
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,9 @@ class UnitSpec:
     def all_gather_bytes(self, all_gather_dtype: torch.dtype | None) -> int:
         """Bytes one all-gather of the unit writes over its shard group: the unsharded buffers, or
         with ``all_gather_dtype=torch.int8`` W packed int8 chunks (values and a scale per 256) for
-        each floating group (``flashfsdp.runtime.quantized_gather.all_gather_nbytes``)."""
-        def group_bytes(g: GroupSpec) -> int:
-            if all_gather_dtype is not None and g.floating:
-                return g.layout.world_size * packed_nbytes(g.layout.shard_size)
-            return g.layout.total * g.param_bytes
-        return self._sum(group_bytes)
+        each floating group (``flashfsdp.runtime.quantized_gather.group_all_gather_nbytes``)."""
+        return self._sum(lambda g: group_all_gather_nbytes(g.layout, g.param_bytes,
+                                                           all_gather_dtype is not None and g.floating))
 
     def master_bytes(self) -> int:
         """The master shard: S elements in the original dtype per group."""

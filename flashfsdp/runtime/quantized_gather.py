@@ -38,6 +38,7 @@ from flashfsdp.kernels.quantize import packed_nbytes
 
 from .communicator import Communicator, LocalCommunicator, Work
 from .flat_param import FlatParam
+from .layout import FlatLayout
 from .streams import DeviceStreams
 
 ALL_GATHER_DTYPES = (torch.int8,)
@@ -120,17 +121,23 @@ class QuantizedAllGather:
         self.packed = self.local = None
 
 
-def all_gather_nbytes(groups: Sequence[FlatParam], all_gather_dtype: torch.dtype | None, world_size: int) -> int:
-    """Bytes one unshard of a unit's ``groups`` all-gathers over ``world_size`` ranks (the
-    collectives' outputs): ``W · packed_nbytes(S)`` for a group gathered in int8, ``T ·
-    itemsize(param_dtype)`` for the others."""
-    total = 0
-    for group in groups:
-        if all_gather_dtype is not None and group.param_dtype.is_floating_point:
-            total += world_size * packed_nbytes(group.layout.shard_size)
-        else:
-            total += group.layout.total * group.param_dtype.itemsize
-    return total
+def group_all_gather_nbytes(layout: FlatLayout, param_itemsize: int, quantized: bool) -> int:
+    """Bytes one all-gather of a group with ``layout`` writes over its W ranks: W packed int8
+    chunks (``packed_nbytes(S)`` each: values and a scale per block) when ``quantized``, else the
+    T-element unsharded buffer at ``param_itemsize`` bytes per element. The one formula the
+    runtime's counters and ``flashfsdp.estimate`` both use."""
+    if quantized:
+        return layout.world_size * packed_nbytes(layout.shard_size)
+    return layout.total * param_itemsize
+
+
+def all_gather_nbytes(groups: Sequence[FlatParam], all_gather_dtype: torch.dtype | None) -> int:
+    """Bytes one unshard of a unit's ``groups`` all-gathers over the ranks they are sharded over
+    (the collectives' outputs; :func:`group_all_gather_nbytes` per group, the floating groups
+    quantised when ``all_gather_dtype`` is set)."""
+    return sum(group_all_gather_nbytes(g.layout, g.param_dtype.itemsize,
+                                       all_gather_dtype is not None and g.param_dtype.is_floating_point)
+               for g in groups)
 
 
 def finish_quantized(gathers: Sequence[QuantizedAllGather], works: Sequence[Work],
