@@ -135,6 +135,9 @@ refresh_per_optimizer_state = private("torch.distributed.fsdp.sharded_grad_scale
 
 # ------------------------------------------------------------------------------ torch.distributed
 get_default_store = private("torch.distributed.distributed_c10d", "_get_default_store")  # runtime/nccl.py
+# runtime/nccl.py: a process group is in c10d_world.pg_map ({ProcessGroup: (backend, store)}) from
+# its creation until destroy_process_group removes it; an NcclCommunicator is destroyed with its group.
+c10d_world = private("torch.distributed.distributed_c10d", "_world")
 get_registry = private("torch.distributed._composable.contract", "_get_registry")  # bindings/_init.py
 REGISTRY_KEY = private("torch.distributed._composable.contract", "REGISTRY_KEY")
 RegistryItem = private("torch.distributed._composable.contract", "RegistryItem")

@@ -12,6 +12,7 @@ import pathlib
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from flashfsdp import _torch_private as tp
@@ -46,7 +47,7 @@ BEHAVIOUR = {
     "foreach_mul_", "assert_async", "REGISTRY_KEY", "RegistryItem", "WrapPolicy",
     "saved_tensors_hooks_is_enabled", "top_saved_tensors_default_hooks", "set_code_exec_strategy",
     "FrameExecStrategy", "FrameAction", "ActivationWrapper", "CheckpointImpl",
-    "apply_activation_checkpointing", "checkpoint_wrapper",
+    "apply_activation_checkpointing", "checkpoint_wrapper", "c10d_world",
 }
 def _defined_names() -> set[str]:
     """The names _torch_private.py assigns from ``private(...)`` or ``optional_private(...)``."""
@@ -172,6 +173,18 @@ def test_composable_registry():
     assert tp.get_registry(module) is None
     setattr(module, tp.REGISTRY_KEY, {"fully_shard": tp.RegistryItem()})
     assert "fully_shard" in tp.get_registry(module)
+
+
+def test_process_groups_are_registered_until_destroyed():
+    from benchmarks.distributed import single_process_group  # noqa: PLC0415
+
+    with single_process_group():
+        world = dist.group.WORLD
+        sub = dist.new_group([0])
+        assert world in tp.c10d_world.pg_map and sub in tp.c10d_world.pg_map
+        dist.destroy_process_group(sub)
+        assert sub not in tp.c10d_world.pg_map and world in tp.c10d_world.pg_map
+    assert world not in tp.c10d_world.pg_map and not tp.c10d_world.pg_map
 
 
 def test_fsdp1_wrap_helpers():

@@ -19,16 +19,35 @@ platform's C ``char`` (see [Note: the unique id's bytes] in ``nccl_env.py``).
 Failures (see ``nccl_watchdog.py``): every collective gets a deadline (``timeout``); a watchdog
 thread polls NCCL's asynchronous error and the deadlines and, on a failure, aborts the
 communicator (``ncclCommAbort``) and the next call raises :class:`CollectiveError` naming the
-collective and the unit. Communicators are destroyed (``ncclCommDestroy``, or aborted if a
-collective is still in flight) when their process group is destroyed with
-``torch.distributed.destroy_process_group``, not at interpreter exit, where the other ranks may be
-gone already.
+collective and the unit.
+
+Teardown: a communicator lives as long as its process group. flashfsdp leaves torch's functions as
+they are (it does not wrap ``torch.distributed.destroy_process_group``), and torch has no callback
+for a group's destruction, so a communicator checks that its group is still registered with
+torch.distributed (``_world.pg_map``, which ``destroy_process_group`` clears; see
+``flashfsdp/_torch_private.py``): before each collective, when another NcclCommunicator is created
+(after a re-initialised process group, say), and at interpreter exit. One whose group is gone is
+destroyed then (``ncclCommDestroy`` once its collectives have completed, ``ncclCommAbort`` if one
+failed or is still in flight after the timeout; at exit it does not wait: ``ncclCommAbort`` if one
+is in flight) and its next collective raises. One whose group is still registered at exit is left
+to the process's end, as torch leaves its own: the other ranks may be gone already. A
+``weakref.finalize`` on the group would fire when its Python object is collected, not when it is
+destroyed (the communicator, the units and user code keep it alive past ``destroy_process_group``,
+and each rank collects it at another time).
+
+To release them at a point of your choosing (their GPU memory, before a new process group, say),
+call :func:`destroy_communicators` on every rank, before or after destroying the group::
+
+    from flashfsdp.runtime.nccl import destroy_communicators
+
+    destroy_communicators(group)  # or destroy_communicators() for every one
+    torch.distributed.destroy_process_group(group)
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
-import functools
 import itertools
 import os
 import weakref
@@ -36,13 +55,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from flashfsdp._torch_private import get_default_store
+from flashfsdp._torch_private import c10d_world, get_default_store
 
 from .communicator import Communicator, ReduceOpName, Work, check_collective_sizes, check_reduce_op
 from .nccl_env import char_is_signed, import_nccl, unique_id_from_bytes, unique_id_to_bytes
 from .nccl_watchdog import CollectiveError, CollectiveTimeout, Watchdog
 
-__all__ = ["NcclCommunicator", "CollectiveError", "CollectiveTimeout", "DEFAULT_TIMEOUT_S", "destroy_communicators"]
+__all__ = ["NcclCommunicator", "CollectiveError", "CollectiveTimeout", "DEFAULT_TIMEOUT_S", "destroy_communicators",
+           "release_destroyed"]
 
 # ncclDataType_t and ncclRedOp_t values from nccl.h (stable across NCCL 2.x).
 _NCCL_DTYPES = {
@@ -58,7 +78,8 @@ _NCCL_DTYPES = {
 _NCCL_OPS = {"sum": 0, "max": 2, "avg": 4}
 DEFAULT_TIMEOUT_S = 600.0  # torch's default NCCL process-group timeout (10 minutes)
 _id_counter = itertools.count()
-_live: "weakref.WeakSet[NcclCommunicator]" = weakref.WeakSet()
+_live: "weakref.WeakSet[NcclCommunicator]" = weakref.WeakSet()  # every communicator not destroyed yet
+_exit_release_registered = False
 
 
 class _NcclWork(Work):
@@ -131,13 +152,19 @@ class NcclCommunicator(Communicator):
         if device is None:
             device = torch.cuda.current_device()
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        release_destroyed()  # those of a group destroyed since: their GPU memory before this one's
         self._comm = self._create(nccl)
+        self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> None:
+        """Watch the communicator just created (``self._comm``) and register it for teardown with
+        its group (see the module docstring)."""
         me = weakref.ref(self)  # the watchdog thread must not keep the communicator alive
         self._watchdog = Watchdog(f"NcclCommunicator(rank {self.rank} of {self.world_size}, {self.device})",
                                   timeout_s, lambda: _call(me, "abort"), lambda: _call(me, "_check_async_error"))
         self._watchdog.start()
-        _install_destroy_hook()
         _live.add(self)
+        _register_exit_release()
 
     def _create(self, nccl):
         """The CuPy communicator, after passing the unique id from rank 0 through the store."""
@@ -169,15 +196,21 @@ class NcclCommunicator(Communicator):
         if comm is not None:
             comm.abort()
 
-    def destroy(self) -> None:
+    def destroy(self, wait: bool = True) -> None:
         """Release the NCCL communicator: ``ncclCommDestroy`` once every collective issued has
-        completed, ``ncclCommAbort`` if one failed or is still in flight after the timeout.
-        Called for every communicator of a group by ``torch.distributed.destroy_process_group``."""
+        completed, ``ncclCommAbort`` if one failed or is still in flight after the timeout
+        (``wait=False``: if one is in flight now, without waiting for it). Safe to call more than
+        once; later collectives raise. :func:`destroy_communicators` and :func:`release_destroyed`
+        call it, and a collective that finds the group destroyed."""
+        _live.discard(self)
         if self._comm is None:
             self._watchdog.stop()
             return
         try:
-            self._watchdog.wait_until(lambda: not self._watchdog.in_flight())
+            if wait:
+                self._watchdog.wait_until(lambda: not self._watchdog.in_flight())
+            elif self._watchdog.poll() is None and self._watchdog.in_flight():
+                self.abort()
         except CollectiveError:
             pass  # the watchdog aborted the communicator already
         self._watchdog.stop()
@@ -185,11 +218,19 @@ class NcclCommunicator(Communicator):
         if comm is not None:
             comm.destroy()
 
+    def group_destroyed(self) -> bool:
+        """Whether this communicator's process group was destroyed (is no longer registered with
+        torch.distributed): its NCCL communicator goes with it."""
+        return self.group not in c10d_world.pg_map
+
     def _live_comm(self):
+        if self._comm is not None and self.group_destroyed():
+            self.destroy()
         self._watchdog.raise_if_failed()
         if self._comm is None:
-            raise RuntimeError(f"{self._watchdog.name} was destroyed (its process group was destroyed); "
-                               f"fully_shard again after init_process_group to get a new one")
+            raise RuntimeError(f"{self._watchdog.name} was destroyed (its process group was destroyed, or "
+                               f"destroy_communicators released it); fully_shard again after "
+                               f"init_process_group to get a new one")
         return self._comm
 
     # ------------------------------------------------------------------ collectives
@@ -258,30 +299,37 @@ def _call(ref: "weakref.ref[NcclCommunicator]", method: str) -> None:
 
 
 def destroy_communicators(group=None) -> int:
-    """Destroy the live NcclCommunicators over ``group`` (None: all of them); returns how many.
-    ``torch.distributed.destroy_process_group`` calls it (see :func:`_install_destroy_hook`)."""
-    everything = group is None or group is dist.group.WORLD  # torch destroys every group then
+    """Destroy the live NcclCommunicators over ``group`` (None or the default group: every one),
+    whether or not the group itself was destroyed yet; returns how many. Call it on every rank,
+    for a deterministic release (see the module docstring): otherwise a communicator goes when it
+    finds its group destroyed."""
+    everything = group is None or group is dist.group.WORLD  # destroying the default group destroys every group
     doomed = [c for c in list(_live) if everything or c.group is group]
     for comm in doomed:
         comm.destroy()
-        _live.discard(comm)
     return len(doomed)
 
 
-def _install_destroy_hook() -> None:
-    """Make ``torch.distributed.destroy_process_group(group)`` destroy the NcclCommunicators over
-    ``group`` (every one for None) before the group itself (installed once; torch offers no
-    callback for it). Code that imported the function by name before this ran calls torch's
-    directly: call :func:`destroy_communicators` there first."""
-    original = dist.destroy_process_group
-    if getattr(original, "_flashfsdp_hook", False):
-        return
+def release_destroyed(wait: bool = True) -> int:
+    """Destroy the live NcclCommunicators whose process group was destroyed (see
+    :meth:`NcclCommunicator.destroy` for ``wait``); returns how many."""
+    doomed = [c for c in list(_live) if c.group_destroyed()]
+    for comm in doomed:
+        comm.destroy(wait=wait)
+    return len(doomed)
 
-    @functools.wraps(original)
-    def destroy_process_group(group=None):
-        destroy_communicators(group)
-        return original(group)
 
-    destroy_process_group._flashfsdp_hook = True
-    dist.destroy_process_group = destroy_process_group
-    dist.distributed_c10d.destroy_process_group = destroy_process_group
+def _release_at_exit() -> None:
+    """At interpreter exit: the communicators whose group was destroyed, without waiting on
+    collectives in flight (another rank may be gone); the others stay, as torch's own do."""
+    release_destroyed(wait=False)
+
+
+def _register_exit_release() -> None:
+    """Run :func:`_release_at_exit` at interpreter exit. Registered once, by the first
+    communicator: after CuPy registered its own exit handlers, so it runs before them (atexit runs
+    the last registered first), while CUDA and NCCL are still up."""
+    global _exit_release_registered
+    if not _exit_release_registered:
+        atexit.register(_release_at_exit)
+        _exit_release_registered = True

@@ -1,4 +1,5 @@
-"""Communicators: the single-rank one, the process-group one on gloo, NCCL through CuPy (GPU)."""
+"""Communicators: the single-rank one, the process-group one on gloo, NCCL through CuPy (GPU), and
+the NCCL communicators' teardown with their process group (on CPU, around a stand-in for CuPy's)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from benchmarks.distributed import single_process_group
+from flashfsdp.runtime import nccl
 from flashfsdp.runtime.communicator import LocalCommunicator
 from flashfsdp.runtime.process_group import ProcessGroupCommunicator
 from tests.harness import run_distributed
@@ -130,3 +134,85 @@ def _nccl_single_gpu(rank, world_size):
 def test_nccl_communicator_on_one_gpu():
     ((out, red),) = run_distributed(_nccl_single_gpu, 1)
     assert torch.equal(out, torch.arange(8.0)) and torch.equal(red, torch.arange(8.0) * 2)
+
+
+# ------------------------------------------------------------------ NCCL teardown with the group
+class _CupyStandIn:
+    """Stands for CuPy's NcclCommunicator (no CUDA here): records what the teardown calls on it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def destroy(self):
+        self.calls.append("destroy")
+
+    def abort(self):
+        self.calls.append("abort")
+
+    def check_async_error(self):
+        pass
+
+
+def _communicator_over(group) -> nccl.NcclCommunicator:
+    """An NcclCommunicator over ``group`` with its watchdog and teardown bookkeeping as built by the
+    constructor, and a stand-in where the constructor would create CuPy's communicator on a GPU."""
+    comm = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
+    comm.group, comm.rank, comm.world_size, comm.device = group, 0, 1, torch.device("cpu")
+    comm._comm = _CupyStandIn()
+    comm._start(timeout_s=60.0)
+    return comm
+
+
+@pytest.fixture
+def no_live_communicators():
+    assert not list(nccl._live)
+    yield
+    nccl.destroy_communicators()  # stops the watchdog threads of those a failed test left
+
+
+def test_nccl_communicator_goes_with_its_group_without_patching_torch(no_live_communicators):
+    torch_destroy = (dist.destroy_process_group, dist.distributed_c10d.destroy_process_group)
+    with single_process_group():
+        sub = dist.new_group([0])
+        on_world, on_sub = _communicator_over(dist.group.WORLD), _communicator_over(sub)
+        cupy_world, cupy_sub = on_world._comm, on_sub._comm
+        assert (dist.destroy_process_group, dist.distributed_c10d.destroy_process_group) == torch_destroy
+        assert nccl._exit_release_registered
+        dist.destroy_process_group(sub)
+        assert on_sub.group_destroyed() and not on_world.group_destroyed()
+        with pytest.raises(RuntimeError, match="was destroyed"):  # found at its next collective
+            on_sub.all_reduce(torch.zeros(1))
+        assert cupy_sub.calls == ["destroy"] and on_sub not in nccl._live
+        with pytest.raises(RuntimeError, match="was destroyed"):
+            on_sub.all_reduce(torch.zeros(1))
+        assert cupy_sub.calls == ["destroy"]
+        assert on_world._live_comm() is cupy_world and cupy_world.calls == []
+    # leaving the block destroyed the default group: its communicator goes when found so
+    assert on_world.group_destroyed() and nccl.release_destroyed() == 1
+    assert cupy_world.calls == ["destroy"] and not list(nccl._live)
+
+
+def test_destroy_communicators_releases_them_on_request(no_live_communicators):
+    with single_process_group():
+        sub = dist.new_group([0])
+        on_world, on_sub, on_sub_too = (_communicator_over(g) for g in (dist.group.WORLD, sub, sub))
+        assert nccl.destroy_communicators(sub) == 2 and not on_sub.group_destroyed()
+        assert on_sub._comm is None and on_sub_too._comm is None and on_world._comm is not None
+        with pytest.raises(RuntimeError, match="destroy_communicators released it"):
+            on_sub._live_comm()
+        assert nccl.destroy_communicators(sub) == 0
+        on_sub2 = _communicator_over(sub)
+        assert nccl.destroy_communicators() == 2  # every one
+        assert on_world._comm is None and on_sub2._comm is None and not list(nccl._live)
+
+
+def test_at_exit_the_communicators_of_destroyed_groups_go_without_waiting(no_live_communicators):
+    with single_process_group():
+        sub, other = dist.new_group([0]), dist.new_group([0])
+        busy, idle, kept = _communicator_over(sub), _communicator_over(sub), _communicator_over(other)
+        cupy_busy, cupy_idle, cupy_kept = busy._comm, idle._comm, kept._comm
+        busy._watchdog.register("all_reduce", lambda: False)  # in flight, never completes
+        dist.destroy_process_group(sub)
+        nccl._release_at_exit()
+        assert cupy_busy.calls == ["abort"] and cupy_idle.calls == ["destroy"]
+        assert cupy_kept.calls == [] and list(nccl._live) == [kept]  # its group is still there

@@ -1,5 +1,6 @@
 """NcclCommunicator's CPU-checkable parts: the unique id's bytes, the CUDA version check, the
-watchdog's deadlines and abort, naming the unit, and destroying communicators with their group."""
+watchdog's deadlines and abort, and naming the unit (teardown with the group:
+tests/runtime/test_communicators.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,7 @@ import threading
 import time
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from benchmarks.distributed import single_process_group
 from flashfsdp.runtime import nccl, trace
 from flashfsdp.runtime.communicator import CompletedWork
 from flashfsdp.runtime.nccl_env import (UNIQUE_ID_BYTES, char_is_signed, check_cuda_match, cuda_major,
@@ -168,31 +166,3 @@ def test_issuing_names_the_unit_on_the_work():
         work = issued.track(_NamedWork())
     assert work.unit == "layers.3"
     CompletedWork().set_unit("layers.3")  # the default accepts and ignores it
-
-
-# ------------------------------------------------------------------ destroy with the group
-class _Destroyable:
-    """Stands for a live communicator in the registry: what destroy_process_group must reach."""
-
-    def __init__(self, group):
-        self.group, self.destroyed = group, 0
-
-    def destroy(self):
-        self.destroyed += 1
-
-
-def test_destroy_process_group_destroys_the_communicators_of_the_group():
-    nccl._install_destroy_hook()
-    nccl._install_destroy_hook()  # once only
-    assert dist.destroy_process_group._flashfsdp_hook
-    with single_process_group():
-        sub = dist.new_group([0])
-        on_world, on_sub = _Destroyable(dist.group.WORLD), _Destroyable(sub)
-        nccl._live.add(on_world)
-        nccl._live.add(on_sub)
-        dist.destroy_process_group(sub)
-        assert (on_sub.destroyed, on_world.destroyed) == (1, 0)
-    # leaving the block destroyed the default group: every communicator goes
-    assert (on_sub.destroyed, on_world.destroyed) == (1, 1)
-    assert on_world not in nccl._live and not dist.is_initialized()
-    assert torch.distributed.distributed_c10d.destroy_process_group is dist.destroy_process_group
