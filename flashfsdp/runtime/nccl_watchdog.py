@@ -17,11 +17,14 @@ at its next call (:meth:`Watchdog.raise_if_failed`), and the thread writes it to
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+from flashfsdp.log import get_logger
+
+_log = get_logger(__name__)
 
 
 class CollectiveError(RuntimeError):
@@ -149,7 +152,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             if self.poll() is not None:
-                print(f"flashfsdp: {self.error}", file=sys.stderr, flush=True)
+                _log.error("%s", self.error)  # every rank's: the one that timed out says so
                 return
 
     def stop(self) -> None:
