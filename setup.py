@@ -12,10 +12,13 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["flashfsdp", "flashfsdp.*", "benchmarks", "benchmarks.*"]),
+    # The library, and its command lines' torch-free parsers; benchmarks/ runs from a checkout
+    # (python -m benchmarks.step) and is not installed.
+    packages=find_packages(include=["flashfsdp", "flashfsdp.*", "flashfsdp_cli", "flashfsdp_cli.*"]),
     # torch >= 2.6: flashfsdp/_torch_private.py (MIN_TORCH). Triton (triton.knobs: >= 3.4) only where the kernels
     # run: the GPU extras, and the tests (the interpreter on CPU); the CPU install uses the reference kernels.
-    install_requires=["torch>=2.6", "numpy", "tqdm"],
+    # tomli: --config FILE.toml on Python 3.10 (tomllib is in the standard library from 3.11).
+    install_requires=["torch>=2.6", "numpy", "tqdm", "tomli; python_version < '3.11'"],
     extras_require={
         "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12", "triton>=3.4"],
         "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13", "triton>=3.4"],
@@ -26,5 +29,5 @@ setup(
         "hf": ["transformers>=5", "safetensors"],  # flashfsdp.save_pretrained, flashfsdp-train export
         "bench": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["flashfsdp-train=flashfsdp.train:main"]},
+    entry_points={"console_scripts": ["flashfsdp-train=flashfsdp_cli.train:main"]},
 )

@@ -80,9 +80,11 @@ def train(rank: int, world_size: int) -> None:
         model_state = model.state_dict()  # the unwrapped model's keys, full tensors, on rank 0
         optim_state = FSDP.optim_state_dict(model, optim)
     if rank == 0:
-        path = os.path.join(tempfile.mkdtemp(), "model.pt")
-        torch.save({"model": model_state, "optim": optim_state}, path)
-        print(f"saved {len(model_state)} tensors ({sum(v.numel() for v in model_state.values())} values) to {path}")
+        with tempfile.TemporaryDirectory() as tmp:  # a real script would keep it: here nothing is left behind
+            path = os.path.join(tmp, "model.pt")
+            torch.save({"model": model_state, "optim": optim_state}, path)
+            print(f"saved {len(model_state)} tensors ({sum(v.numel() for v in model_state.values())} values) "
+                  f"to {path}")
 
 
 def _spawned(rank: int, world_size: int, init_file: str) -> None:

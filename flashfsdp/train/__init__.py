@@ -8,14 +8,20 @@
 An application built on the library, one concern per module, each setting flowing one way from
 the command line to the runtime:
 
-- `cli`: the entry point `main`: config, checks, then launch the workers or train as one;
-- `config`: the command line, training presets and the frozen `TrainConfig` built once from it;
+- `cli`: the entry point `main` (after `flashfsdp_cli.train`, which checks the command line
+  before torch is imported): config, the run directory's lock, checks, then launch the workers
+  or train as one;
+- `config`: the frozen `TrainConfig` built once from the command line (its parser:
+  `flashfsdp_cli.train_options`), and run.json with the run's resumptions;
 - `config_file`: --config FILE.toml, option values checked against the parser;
 - `errors`: `UsageError`, bad input (one line, exit code 2);
 - `checks`: what is refused before any worker starts (batch split, memory fit, data, run dir);
 - `launch`: starting the workers (torch elastic), joining the process group (with the
   collective timeout), Ctrl-C;
 - `rendezvous`: the launcher's rendezvous, its stores listening on 127.0.0.1 only;
+- `run_lock`: one run per output folder (an exclusive lock on `<out>/run.lock`);
+- `hf_config` / `hf_names` / `pretrained`: --init-from, a transformers Llama folder's config,
+  names and weights, loaded unit by unit; `freezing`: --freeze;
 - `trainer`: `Trainer` (train_step, evaluate, save, train) and `run_worker`, one rank's job;
 - `sharding`: the meta-device build, sharding and gradient clipping through flashfsdp;
 - `activation_checkpointing`: --activation-checkpointing, torch's checkpoint wrapper per block;
@@ -29,6 +35,6 @@ the command line to the runtime:
 - `flops`: model FLOPs per token, peak FLOP/s of known GPUs, MFU.
 """
 
-from flashfsdp.train.cli import main
+from flashfsdp_cli.train import main
 
 __all__ = ["main"]

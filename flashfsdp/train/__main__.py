@@ -2,6 +2,6 @@
 
 import sys
 
-from flashfsdp.train.cli import main
+from flashfsdp_cli.train import main
 
 sys.exit(main())

@@ -1,5 +1,7 @@
-"""The error every check of `flashfsdp-train` raises for bad input (one line, exit code 2)."""
+"""The error every check of `flashfsdp-train` raises for bad input (one line, exit code 2).
 
+Defined with the command lines (`flashfsdp_cli.errors`), which raise it before torch is imported."""
 
-class UsageError(Exception):
-    """Bad command-line input: the message names the option and the fix (exit code 2)."""
+from flashfsdp_cli.errors import UsageError
+
+__all__ = ["UsageError"]

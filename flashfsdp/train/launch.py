@@ -37,6 +37,7 @@ import datetime
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from typing import TYPE_CHECKING
 
@@ -92,19 +93,27 @@ def launch(nproc: int, worker_argv: list[str], device_type: str) -> int:
             run directory, where the workers' final checkpoint is looked for after a stop).
         device_type: "cpu" or "cuda".
 
+    The agent's log directory is a temporary one, removed when the workers end (torch's default
+    would leave a `torchelastic_*` folder in the temporary directory after every run).
+
     Returns:
         0 when every worker succeeded; 128 + the signal number after SIGINT (130) or SIGTERM
         (143), with a line on stderr saying whether the workers saved a final checkpoint (see
         [Note: stop signals] in `flashfsdp.train.stopping`); otherwise the first failed worker's
         exit code (its own error message is already on stderr).
     """
+    out = os.path.abspath(build_parser().parse_args(worker_argv).out)
+    _worker_environment(nproc, device_type)
+    with tempfile.TemporaryDirectory(prefix="flashfsdp-train-") as logs:  # the agent's, removed after
+        return _run_agent(_launch_config(nproc, logs), worker_argv, out)
+
+
+def _run_agent(config, worker_argv: list[str], out: str) -> int:
+    """`launch`'s elastic agent run with `config`: the exit code (see `launch`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    out = os.path.abspath(build_parser().parse_args(worker_argv).out)
-    _worker_environment(nproc, device_type)
-    config = _launch_config(nproc)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "flashfsdp.train", *worker_argv)
     except ChildFailedError as err:
@@ -128,9 +137,11 @@ def _worker_environment(nproc: int, device_type: str) -> None:
         p for p in (root, os.environ.get("PYTHONPATH")) if p)
 
 
-def _launch_config(nproc: int):
+def _launch_config(nproc: int, log_dir: str):
     """torch elastic's `LaunchConfig` of one node of `nproc` workers over the loopback
-    rendezvous (`flashfsdp.train.rendezvous`), a fresh run id, no restarts."""
+    rendezvous (`flashfsdp.train.rendezvous`), a fresh run id, no restarts, the agent's logs in
+    `log_dir`."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     from flashfsdp.train.rendezvous import LOOPBACK, LOOPBACK_BACKEND
@@ -139,6 +150,7 @@ def _launch_config(nproc: int):
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend=LOOPBACK_BACKEND, rdzv_endpoint=f"{LOOPBACK}:0", local_addr=LOOPBACK,
         max_restarts=0, monitor_interval=0.1, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
 
 
