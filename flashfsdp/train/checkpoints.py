@@ -112,6 +112,14 @@ def record_stop(out: str, step: int, run_id: str, signal_name: str) -> str:
     return path
 
 
+def clear_stop_record(out: str) -> None:
+    """Remove `<out>/stopped.json` (a resumed run goes on: the record of its last stop is spent)."""
+    try:
+        os.remove(os.path.join(out, STOP_RECORD))
+    except FileNotFoundError:
+        pass
+
+
 def final_checkpoint(out: str, run_id: str) -> tuple[int, str] | None:
     """(step, path) of the final checkpoint the ranks of the job `run_id` recorded when they
     stopped (`record_stop`), if that checkpoint is the newest complete one in `out`; else None

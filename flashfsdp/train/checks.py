@@ -16,7 +16,9 @@ from flashfsdp.models import LlamaConfig
 from flashfsdp.train.checkpoints import checkpoints_dir, latest_checkpoint
 from flashfsdp.train.config import TrainConfig, UsageError
 from flashfsdp.train.data import Corpus, CorpusError, ShardedBatchSampler, load_corpus
+from flashfsdp.train.freezing import check_freeze
 from flashfsdp.train.launch import under_torchrun
+from flashfsdp.train.pretrained import weight_files
 from flashfsdp.train.tokenizer import load_tokenizer
 
 GiB = 2**30
@@ -314,7 +316,7 @@ class Inputs:
 
 def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
     """All the checks that need no process group, in order: batch split, run directory, data,
-    memory fit (the corpus each rank loads included).
+    memory fit (the corpus each rank loads included), --freeze patterns, --init-from weights.
 
     Args:
         config: the run's config.
@@ -330,6 +332,9 @@ def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
     corpus = check_data(config.data, config.seed, config.model.max_seq_len, config.batch_size,
                         world_size, config.tokenizer)
     check_fit(config, world_size, local_world, corpus.train.numel() + corpus.val.numel())
+    check_freeze(config.freeze, config.model)
+    if config.init_from is not None and not config.resume:
+        weight_files(config.init_from)  # safetensors weights are there (read unit by unit later)
     if config.compile:
         from flashfsdp.train.sharding import check_compile  # noqa: PLC0415 - only for --compile
 

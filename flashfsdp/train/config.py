@@ -13,159 +13,35 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import torch
 
+from flashfsdp.log import get_logger
 from flashfsdp.models import LlamaConfig, config_from_preset
 from flashfsdp.train.config_file import file_defaults
 from flashfsdp.train.errors import UsageError
+from flashfsdp.train.hf_config import llama_config
 from flashfsdp.train.loggers import check_installed
 from flashfsdp.train.tokenizer import tokenizer_vocab_size
+from flashfsdp_cli.train_options import (  # noqa: F401 - the parser's names, also used from here
+    DEFAULT_TIMEOUT_S, DTYPE_ALIASES, DTYPE_NAMES, PRESET_TRAINING, PROG, Parser, build_parser, check_values)
 
-PROG = "flashfsdp-train"
+_log = get_logger(__name__)
+# The one-line-error parser under its earlier name.
+_Parser = Parser
+
 RUN_CONFIG = "run.json"
-
-# Training defaults per preset: steps, global batch (sequences), peak learning rate, warm-up
-# (at most a tenth of --steps). The model architecture of each preset is `flashfsdp.models.PRESETS`.
-PRESET_TRAINING = {
-    "tiny": dict(steps=200, batch_size=32, lr=3e-3, warmup=20),
-    "small": dict(steps=2000, batch_size=32, lr=1e-3, warmup=100),
-    "1b": dict(steps=5000, batch_size=16, lr=3e-4, warmup=200),
-}
+# The key of run.json that lists the run's resumptions (`TrainConfig.save`); not a config field.
+RESUMPTIONS = "resumptions"
 
 # Options that fix the model, the data order and the learning-rate schedule: on --resume they
 # come from the run's saved config (an explicit different value is ignored with a warning).
 RESUME_FIXED = ("preset", "layers", "dim", "heads", "seq_len", "data", "tokenizer", "seed", "batch_size",
-                "lr", "min_lr", "warmup", "decay_steps", "weight_decay", "max_grad_norm")
-
-# Seconds a collective may wait for the other ranks before it fails (--timeout): a hung or
-# stopped rank then stops the job instead of holding every other rank forever.
-DEFAULT_TIMEOUT_S = 600.0
-
-# Options that must be positive integers.
-_POSITIVE = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "save_every")
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
-# torch's dtype names accepted on the command line for the short ones.
-DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
-
-
-# Where metrics go besides <out>/metrics.jsonl (flashfsdp.train.loggers), off unless asked for.
-_METRIC_SINKS = (
-    ("--tensorboard", "also log the metrics to TensorBoard in <out>/tensorboard (needs the "
-                      "tensorboard package: pip install 'flashfsdp[train]')"),
-    ("--wandb", "also log the metrics to Weights & Biases (needs the wandb package; project "
-                "from WANDB_PROJECT, default flashfsdp-train)"),
-)
-
-
-def _dtype_name(value: str) -> str:
-    """A --param-dtype/--reduce-dtype value with torch's names (float16, ...) mapped to the short ones."""
-    return DTYPE_ALIASES.get(value, value)
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (no usage block); exit code 2."""
-
-    def error(self, message: str):
-        """Exit with code 2 and `prog: error: message (see --help)` on stderr."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `flashfsdp-train` argument parser (defaults of None are filled by `TrainConfig`)."""
-    p = _Parser(
-        prog=PROG,
-        description="Train a byte-level Llama-style language model sharded with flashfsdp.",
-    )
-    p.add_argument("--config", metavar="FILE.toml",
-                   help="a TOML file of option values, keys as the options' names (seq-len = 256 "
-                        "or seq_len = 256); options given on the command line override it")
-    _add_model_and_data_options(p)
-    _add_optimisation_options(p.add_argument_group("optimisation"))
-    _add_run_options(p.add_argument_group("run"))
-    return p
-
-
-def _add_model_and_data_options(p: argparse.ArgumentParser) -> None:
-    """The "model" and "data" option groups of `build_parser`."""
-    model = p.add_argument_group("model")
-    model.add_argument("--preset", choices=sorted(PRESET_TRAINING), default=None,
-                       help="model size (default: tiny)")
-    model.add_argument("--layers", type=int, help="override the preset's number of blocks")
-    model.add_argument("--dim", type=int, help="override the preset's model width")
-    model.add_argument("--heads", type=int, help="override the preset's attention heads")
-    model.add_argument("--seq-len", type=int, help="training sequence length in bytes")
-
-    data = p.add_argument_group("data")
-    data.add_argument("--data", metavar="PATH",
-                      help="a text file or a directory of text files (default: the Python "
-                           "standard library's .py sources), or a folder saved by the datasets "
-                           "package's save_to_disk (its 'text' column)")
-    data.add_argument("--tokenizer", metavar="PATH",
-                      help="a tokenizer.json of the tokenizers package (default: raw UTF-8 bytes, "
-                           "vocabulary 256); the model's vocabulary is the tokenizer's")
-    data.add_argument("--seed", type=int, default=None, help="model init and data order (default 0)")
-
-
-
-def _add_optimisation_options(opt) -> None:
-    """The "optimisation" option group of `build_parser`."""
-    opt.add_argument("--steps", type=int, help="optimizer steps to reach (preset default)")
-    opt.add_argument("--batch-size", type=int, help="global batch in sequences, over all ranks")
-    opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    opt.add_argument("--lr", type=float, help="peak learning rate (preset default)")
-    opt.add_argument("--min-lr", type=float, help="final learning rate (default lr/10)")
-    opt.add_argument("--warmup", type=int, help="linear warm-up steps (preset default)")
-    opt.add_argument("--decay-steps", type=int,
-                     help="step at which the cosine decay reaches --min-lr (default --steps)")
-    opt.add_argument("--weight-decay", type=float, default=None, help="AdamW decay (default 0.1)")
-    opt.add_argument("--max-grad-norm", type=float, default=None,
-                     help="clip the global gradient norm (default 1.0; 0 disables)")
-    opt.add_argument("--param-dtype", choices=DTYPE_NAMES, type=_dtype_name,
-                     help="compute dtype of unsharded parameters (default bf16 on CUDA, fp32 on CPU; "
-                          "fp16, also spelled float16, trains with dynamic loss scaling)")
-    opt.add_argument("--reduce-dtype", choices=DTYPE_NAMES, type=_dtype_name, default="fp32",
-                     help="dtype of gradient reduce-scatter (default fp32)")
-    opt.add_argument("--all-gather-dtype", choices=("int8",), default=None,
-                     help="all-gather the weights block-wise quantised to int8, dequantised into "
-                          "--param-dtype (ZeRO++ qwZ; default: all-gather in --param-dtype)")
-
-    opt.add_argument("--activation-checkpointing", action="store_true",
-                     help="recompute each block's activations in backward (torch's "
-                          "checkpoint_wrapper, non-reentrant): less memory, about 1/3 more compute")
-    opt.add_argument("--compile", action="store_true",
-                     help="torch.compile each block after sharding (default backend; the first "
-                          "steps compile); the sharding hooks run eagerly between the blocks")
-
-
-def _add_run_options(run) -> None:
-    """The "run" option group of `build_parser`."""
-    run.add_argument("--out", metavar="DIR", help="run directory (default runs/<preset>-<time>)")
-    run.add_argument("--resume", action="store_true",
-                     help="continue from the last checkpoint in --out (any number of ranks)")
-    run.add_argument("--eval-every", type=int, help="validation every N steps (default steps/10)")
-    run.add_argument("--eval-batches", type=int, default=4,
-                     help="global batches per validation (default 4)")
-    run.add_argument("--save-every", type=int,
-                     help="checkpoint every N steps (default steps/4); one is always saved at the end")
-    run.add_argument("--keep-checkpoints", type=int, default=2,
-                     help="newest checkpoints kept in --out (default 2; 0 keeps all)")
-    run.add_argument("--nproc", type=int,
-                     help="local workers when started plainly (default 2 on CPU, every GPU on CUDA)")
-    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                     help="seconds a collective waits for the other ranks before the job stops "
-                          f"with an error (a hung rank); default {DEFAULT_TIMEOUT_S:.0f}")
-    for flag, text in _METRIC_SINKS:
-        run.add_argument(flag, action="store_true", help=text)
-    run.add_argument("--peak-tflops", type=float, metavar="TFLOPS",
-                     help="peak dense TFLOP/s of one device for MFU (default: the table for known "
-                          "GPUs; MFU is n/a on CPU without it)")
-    run.add_argument("--prompt", default="def ", help="prompt for the final samples")
-    run.add_argument("--sample-tokens", type=int, default=200,
-                     help="bytes sampled per continuation at the end (0: no samples)")
+                "lr", "min_lr", "warmup", "decay_steps", "weight_decay", "max_grad_norm", "init_from",
+                "freeze")
+# Model-shape overrides that --init-from's config.json decides instead.
+_SHAPE_OPTIONS = ("layers", "dim", "heads")
 
 
 def resolve_device(requested: str) -> str:
@@ -221,6 +97,10 @@ class TrainConfig:
         tensorboard, wandb: also log metrics to TensorBoard / Weights & Biases on rank 0.
         peak_tflops: peak dense TFLOP/s of one device for MFU, or None for the table of
             `flashfsdp.train.flops` [--peak-tflops].
+        init_from: absolute path of a transformers LlamaForCausalLM folder whose shape, weights
+            and tokenizer the run starts from, or None [--init-from].
+        freeze: glob patterns of the parameters left out of training [--freeze].
+        log_ranks: the ranks whose messages are shown: "0", "all" or "0,3" [--log-ranks].
 
     Raises:
         UsageError: a non-positive size, a learning rate out of range, an unknown preset or
@@ -264,8 +144,12 @@ class TrainConfig:
     peak_tflops: float | None = None
     all_gather_dtype: str | None = None  # "int8": quantised all-gathers [--all-gather-dtype]
     compile: bool = False  # torch.compile each block after sharding [--compile]
+    init_from: str | None = None
+    freeze: tuple[str, ...] = ()
+    log_ranks: str = "0"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "freeze", tuple(self.freeze or ()))  # run.json holds a list
         _check_preset(self.preset)
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPE_NAMES:
@@ -273,20 +157,13 @@ class TrainConfig:
                                  f"got {getattr(self, name)!r}")
         if self.device not in ("cpu", "cuda"):
             raise UsageError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        for name in _POSITIVE:
-            if getattr(self, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
-            raise UsageError(f"--lr must be positive and --min-lr in [0, lr]; got {self.lr}, {self.min_lr}")
-        if not self.timeout > 0 or self.timeout == float("inf"):
-            raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
-        if self.warmup < 0:
-            raise UsageError(f"--warmup must be non-negative, got {self.warmup}")
-        if self.decay_steps <= 0:
-            raise UsageError(f"--decay-steps must be positive, got {self.decay_steps}")
-        if self.peak_tflops is not None and not 0 < self.peak_tflops < float("inf"):
-            raise UsageError(f"--peak-tflops must be a positive number, got {self.peak_tflops}")
+        check_values(dataclasses.asdict(self))
         check_installed(self.tensorboard, self.wandb)
+        if self.init_from is not None:
+            given = [f"--{name}" for name in _SHAPE_OPTIONS if getattr(self, name) is not None]
+            if given:
+                raise UsageError(f"{'/'.join(given)} with --init-from: the model's shape is the one in "
+                                 f"{self.init_from}/config.json; leave {'/'.join(given)} out")
         _ = self.model  # raises UsageError on invalid model overrides
 
     @property
@@ -296,6 +173,8 @@ class TrainConfig:
         Raises:
             UsageError: the overrides make an invalid model (the message names the fields).
         """
+        if self.init_from is not None:
+            return _pretrained_model(self.init_from, self.seq_len, self.tokenizer)
         vocab = {} if self.tokenizer is None else {"vocab_size": tokenizer_vocab_size(self.tokenizer)}
         try:
             return config_from_preset(self.preset, n_layers=self.layers, dim=self.dim,
@@ -306,6 +185,8 @@ class TrainConfig:
     @property
     def model_flags(self) -> str:
         """The model options as typed on the command line, e.g. "--preset tiny --layers 2"."""
+        if self.init_from is not None:
+            return f"--init-from {self.init_from}" + (f" --seq-len {self.seq_len}" if self.seq_len else "")
         overrides = (("layers", self.layers), ("dim", self.dim), ("heads", self.heads),
                      ("seq-len", self.seq_len))
         return f"--preset {self.preset}" + "".join(f" --{k} {v}" for k, v in overrides if v is not None)
@@ -333,13 +214,32 @@ class TrainConfig:
         _fill_defaults(values)
         return cls(**values)
 
-    def save(self) -> None:
-        """Write the config to `<out>/run.json` (read back by `--resume`), atomically."""
+    def save(self, resumptions: list[dict] | None = None) -> None:
+        """Write the config to `<out>/run.json` (read back by `--resume`), atomically, with the
+        list of the run's resumptions under "resumptions" (see `record_resumption`)."""
         os.makedirs(self.out, exist_ok=True)
         tmp = os.path.join(self.out, RUN_CONFIG + ".tmp")
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(dataclasses.asdict(self), fh, indent=1, sort_keys=True)
+            json.dump({**dataclasses.asdict(self), RESUMPTIONS: list(resumptions or [])}, fh,
+                      indent=1, sort_keys=True)
         os.replace(tmp, os.path.join(self.out, RUN_CONFIG))
+
+    def record_resumption(self, step: int, world_size: int) -> dict:
+        """Append this resumption to `<out>/run.json` and save this config there: the step it
+        starts from, its ranks, the time, and each option whose value changed ({option: [before,
+        after]}, e.g. --steps or --nproc). Call on one rank.
+
+        Returns:
+            The record appended.
+        """
+        saved, resumptions = load_run_file(self.out)
+        now = dataclasses.asdict(self)
+        changed = {key: [saved.get(key), value] for key, value in now.items()
+                   if key != "resume" and saved.get(key) != (list(value) if isinstance(value, tuple) else value)}
+        record = {"step": step, "world_size": world_size, "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                  "changed": changed}
+        self.save(resumptions + [record])
+        return record
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -360,11 +260,37 @@ def _check_preset(name: str) -> None:
         raise UsageError(f"--preset {name!r}: choose one of {', '.join(PRESET_TRAINING)}")
 
 
+def load_run_file(out: str) -> tuple[dict, list[dict]]:
+    """(the saved config's fields, the resumptions) of `<out>/run.json`.
+
+    Raises:
+        FileNotFoundError: there is no run.json in `out`.
+        ValueError: it is not valid JSON.
+    """
+    with open(os.path.join(out, RUN_CONFIG), encoding="utf-8") as fh:
+        saved = json.load(fh)
+    resumptions = saved.pop(RESUMPTIONS, [])
+    return saved, resumptions
+
+
+def load_saved_config(out: str) -> TrainConfig:
+    """The `TrainConfig` saved in `<out>/run.json` (see `load_run_file` for the errors)."""
+    return TrainConfig(**load_run_file(out)[0])
+
+
+def _pretrained_model(folder: str, seq_len: int | None, tokenizer: str | None) -> LlamaConfig:
+    """The `LlamaConfig` of --init-from `folder`, checked against the tokenizer's vocabulary."""
+    config = llama_config(folder, seq_len)
+    vocab = tokenizer_vocab_size(tokenizer)
+    if vocab > config.vocab_size:
+        raise UsageError(f"--init-from {folder}: the tokenizer's {vocab} ids do not fit the model's "
+                         f"vocab_size {config.vocab_size}; give the model's own tokenizer (--tokenizer)")
+    return config
+
+
 def _saved_config(out: str) -> dict:
-    path = os.path.join(out, RUN_CONFIG)
     try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+        return load_run_file(out)[0]
     except FileNotFoundError:
         raise UsageError(
             f"--resume: {out} is not a {PROG} run directory (no {RUN_CONFIG}); "
@@ -380,8 +306,8 @@ def _take_saved(values: dict, warn: bool) -> None:
     for key in RESUME_FIXED:
         given = values.get(key)
         if warn and given is not None and given != saved.get(key):
-            print(f"{PROG}: warning: --{key.replace('_', '-')} {given} ignored on "
-                  f"--resume; the run's value {saved.get(key)} is kept", file=sys.stderr)
+            _log.warning("--%s %s ignored on --resume; the run's value %s is kept",
+                         key.replace("_", "-"), given, saved.get(key))
         values[key] = saved.get(key)
     if values["steps"] is None:
         values["steps"] = saved["steps"]
@@ -409,9 +335,13 @@ def _fill_defaults(values: dict) -> None:
     default("param_dtype", "bf16" if values["device"] == "cuda" else "fp32")
     default("eval_every", max(1, values["steps"] // 10))
     default("save_every", max(1, values["steps"] // 4))
-    for path in ("data", "tokenizer"):
+    values["freeze"] = tuple(values["freeze"] or ())
+    for path in ("data", "tokenizer", "init_from"):
         if values[path] is not None:
             values[path] = os.path.abspath(values[path])
+    if values["init_from"] is not None and values["tokenizer"] is None:
+        beside = os.path.join(values["init_from"], "tokenizer.json")
+        values["tokenizer"] = beside if os.path.isfile(beside) else None
     if values["out"] is None:
         values["out"] = os.path.join("runs", f"{values['preset']}-{time.strftime('%Y%m%d-%H%M%S')}")
     values["out"] = os.path.abspath(values["out"])

@@ -4,18 +4,9 @@ tokenizer: `tokenizer.json` + `tokenizer_config.json`) that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load.
 
 The run's model is rebuilt from its `run.json` the way `--resume` rebuilds it (preset, overrides,
-tokenizer vocabulary), loaded on this one process from the checkpoint (`flashfsdp.checkpoint.load`
-reshards any world size to 1), and renamed to transformers' Llama names:
-
-=====================================  ===========================================
-flashfsdp.models.Llama                 transformers LlamaForCausalLM
-=====================================  ===========================================
-tok_embeddings                         model.embed_tokens
-layers.i.attention_norm / ffn_norm     model.layers.i.input_layernorm / post_attention_layernorm
-layers.i.attention.wq wk wv wo         model.layers.i.self_attn.q_proj k_proj v_proj o_proj
-layers.i.feed_forward.w1 w3 w2         model.layers.i.mlp.gate_proj up_proj down_proj
-norm, output                           model.norm, lm_head (left out when tied)
-=====================================  ===========================================
+tokenizer vocabulary, or --init-from's config), loaded on this one process from the checkpoint
+(`flashfsdp.checkpoint.load` reshards any world size to 1), and renamed to transformers' Llama
+names (`flashfsdp.train.hf_names`).
 
 Nothing else changes: every weight is written as it is, and `flashfsdp.models.Llama` computes
 what transformers' Llama computes with the same fp32 ops in the same order (the half-split rotary
@@ -36,20 +27,11 @@ from flashfsdp.bindings.hf_save import SINGLE_FILE, remove_stale_weights
 from flashfsdp.models import Llama, LlamaConfig
 from flashfsdp.train.checkpoints import checkpoint_dir, latest_checkpoint
 from flashfsdp.train.config import PROG, RUN_CONFIG, TrainConfig, UsageError
+from flashfsdp.train.hf_names import hf_names
 from flashfsdp.train.hf_tokenizer import run_tokenizer
+from flashfsdp_cli.train_options import EXPORT_PROG, build_export_parser
 
-COMMAND = f"{PROG} export"
-_LAYER_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-}
+COMMAND = EXPORT_PROG
 
 
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -59,13 +41,7 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], config: LlamaConfig) -
     Raises:
         KeyError: an entry of the Llama state dict is missing (named).
     """
-    out = {"model.embed_tokens.weight": state_dict["tok_embeddings.weight"]}
-    for i in range(config.n_layers):
-        for ours, theirs in _LAYER_NAMES.items():
-            out[f"model.layers.{i}.{theirs}"] = state_dict[f"layers.{i}.{ours}"]
-    out["model.norm.weight"] = state_dict["norm.weight"]
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = state_dict["output.weight"]
+    out = {theirs: state_dict[ours] for ours, theirs in hf_names(config).items()}
     return {key: value.detach().contiguous() for key, value in out.items()}
 
 
@@ -82,15 +58,7 @@ def hf_config(config: LlamaConfig, transformers):
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from flashfsdp.train.config import _Parser  # noqa: PLC0415 - the job's one-line argparse errors
-
-    parser = _Parser(prog=COMMAND, description="Convert a run's newest checkpoint into a Hugging Face "
-                                               "LlamaForCausalLM folder (config.json + model.safetensors, "
-                                               "and the run's tokenizer).")
-    parser.add_argument("--out", metavar="RUN", required=True, help="the run directory (flashfsdp-train --out)")
-    parser.add_argument("--to", metavar="DIR", required=True, help="the folder to write (created)")
-    parser.add_argument("--step", type=int, metavar="N", help="the checkpoint after N steps (default: the newest)")
-    return parser.parse_args(argv)
+    return build_export_parser().parse_args(argv)
 
 
 def _checked(args: argparse.Namespace) -> tuple[str, str, str]:

@@ -16,8 +16,9 @@ import sys
 from tqdm import tqdm
 
 from flashfsdp.estimate import estimate
+from flashfsdp.log import get_logger
 from flashfsdp.runtime.memory import PeakMemoryMeter
-from flashfsdp.train.config import RUN_CONFIG, TrainConfig
+from flashfsdp.train.config import load_saved_config
 from flashfsdp.train.flops import format_mfu
 from flashfsdp.train.loggers import TENSORBOARD_DIR, Sink
 from flashfsdp.train.sharding import mixed_precision
@@ -26,6 +27,7 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PLOT = "loss.png"
 SAMPLES = "samples.txt"
+_log = get_logger(__name__)
 
 
 def format_bytes(n: float) -> str:
@@ -85,11 +87,6 @@ class Progress:
         self.postfix["val"] = f"{val_loss:.3f}"
         self.bar.set_postfix(self.postfix)
 
-    def write(self, line: str) -> None:
-        """Print a line above the bar (rank 0)."""
-        if self.enabled:
-            self.bar.write(line, file=sys.stderr)
-
     def close(self) -> None:
         """Close the bar (records can still be logged afterwards)."""
         self.bar.close()
@@ -99,6 +96,15 @@ class Progress:
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
             sink.close()
+
+
+def resume_steps(out: str) -> list[int]:
+    """The steps at which the run in `out` was resumed (its validation records marked "resumed")."""
+    path = os.path.join(out, METRICS)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return sorted({rec["step"] for rec in map(json.loads, fh) if rec.get("resumed")})
 
 
 def read_metrics(out: str) -> tuple[dict[int, dict], dict[int, float]]:
@@ -119,7 +125,8 @@ def read_metrics(out: str) -> tuple[dict[int, dict], dict[int, float]]:
 
 
 def plot_losses(out: str, unigram: float) -> str | None:
-    """Write loss.png (train and validation loss against step, unigram baseline dashed).
+    """Write loss.png (train and validation loss against step, unigram baseline dashed, a dotted
+    line where each resumption began).
 
     Returns the path, or None with a one-line warning when matplotlib is not installed.
     """
@@ -129,8 +136,7 @@ def plot_losses(out: str, unigram: float) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("flashfsdp-train: warning: matplotlib is not installed; no loss plot "
-              "(pip install matplotlib)", file=sys.stderr)
+        _log.warning("matplotlib is not installed; no loss plot (pip install matplotlib)")
         return None
     train, val = read_metrics(out)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -139,6 +145,8 @@ def plot_losses(out: str, unigram: float) -> str | None:
     vsteps = sorted(val)
     ax.plot(vsteps, [val[s] for s in vsteps], "o-", ms=4, label="validation")
     ax.axhline(unigram, ls="--", color="gray", label=f"unigram baseline ({unigram:.2f})")
+    for i, step in enumerate(resume_steps(out)):
+        ax.axvline(step, ls=":", color="black", alpha=0.6, label="resumed" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
     ax.set_title(f"flashfsdp-train: {os.path.basename(out)}")
@@ -169,6 +177,8 @@ def write_summary(out: str, summary: dict) -> str:
           if "tflops_per_rank" in summary else []),
         *([("fp16 steps skipped", f"{summary['overflow_steps']} (gradient overflow)")]
           if summary.get("overflow_steps") is not None else []),
+        *([("trainable / frozen", _frozen(summary))] if "frozen_params" in summary else []),
+        *([("interrupted", summary["interrupted"])] if summary.get("interrupted") else []),
         ("wall time", f"{summary['wall_s']:.1f} s"),
         ("peak memory/rank", _peak_memory(out, summary)),
         ("run directory", out),
@@ -181,11 +191,10 @@ def write_summary(out: str, summary: dict) -> str:
 def estimated_memory(out: str, world_size: int) -> int | None:
     """`flashfsdp.estimate`'s bytes per rank (model states and the step's peak, activations
     excluded) for the run whose config is `<out>/run.json`; None if there is none."""
-    path = os.path.join(out, RUN_CONFIG)
-    if not os.path.exists(path):
+    try:
+        config = load_saved_config(out)
+    except FileNotFoundError:
         return None
-    with open(path, encoding="utf-8") as fh:
-        config = TrainConfig(**json.load(fh))
     return estimate(config.model, world_size, mp_policy=mixed_precision(config.param_dtype, config.reduce_dtype)).total_bytes
 
 
@@ -194,6 +203,13 @@ def _peak_memory(out: str, summary: dict) -> str:
     measured = format_bytes(summary["peak_memory_bytes"])
     est = estimated_memory(out, summary["world_size"])
     return measured if est is None else f"{measured} (estimated {format_bytes(est)} + activations)"
+
+
+def _frozen(summary: dict) -> str:
+    """"0.52M / 0.27M parameters (saves ~3.1MiB per rank of gradients and AdamW state)"."""
+    return (f"{summary['trainable_params'] / 1e6:.2f}M / {summary['frozen_params'] / 1e6:.2f}M parameters "
+            f"(saves ~{format_bytes(summary['frozen_saved_bytes_per_rank'])} per rank of gradients and "
+            "AdamW state)")
 
 
 def _nats(x: float | None, unit: str = "byte") -> str:

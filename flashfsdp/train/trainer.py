@@ -23,14 +23,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashfsdp import ShardedGradScaler
+from flashfsdp.log import get_logger
 from flashfsdp.runtime.memory import PeakMemoryMeter
 from flashfsdp.train import report
-from flashfsdp.train.checkpoints import load_checkpoint, record_stop, save_checkpoint
+from flashfsdp.train.checkpoints import clear_stop_record, load_checkpoint, record_stop, save_checkpoint
 from flashfsdp.train.data import Corpus, batch_loader, load_corpus, unigram_entropy
 from flashfsdp.train.flops import Throughput, device_peak_flops, flops_per_token
+from flashfsdp.train.freezing import FreezeSummary, freeze
 from flashfsdp.train.launch import agree_run_dir, init_distributed, run_id
 from flashfsdp.train.lr_schedule import lr_at
 from flashfsdp.train.loggers import open_sinks
+from flashfsdp.train.pretrained import load_pretrained
+from flashfsdp.train.run_lock import hold_on_rank0
 from flashfsdp.train.sharding import build_sharded_model, clip_grad_norm, mixed_precision
 from flashfsdp.train.stopping import StopFlag, exit_code
 from flashfsdp.train.tokenizer import load_tokenizer
@@ -45,11 +49,13 @@ VAL_SEED_OFFSET = 1
 # AdamW's betas and epsilon (as GPT-3 and Llama).
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
+_log = get_logger(__name__)
 
 
 def build_optimizer(model: torch.nn.Module, no_decay: frozenset[str], weight_decay: float,
                     lr: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on the parameters not named in `no_decay` (the RMSNorm weights).
+    """AdamW with weight decay on the parameters not named in `no_decay` (the RMSNorm weights);
+    frozen parameters (requires_grad False: --freeze) are left out, and so is an empty group.
 
     Args:
         model: the sharded model.
@@ -57,11 +63,12 @@ def build_optimizer(model: torch.nn.Module, no_decay: frozenset[str], weight_dec
         weight_decay: decay of the other parameters.
         lr: initial learning rate (the trainer sets each step's own).
     """
-    decay = [p for n, p in model.named_parameters() if n not in no_decay]
-    rest = [p for n, p in model.named_parameters() if n in no_decay]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trained if n not in no_decay]
+    rest = [p for n, p in trained if n in no_decay]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS)
 
 
 def build_grad_scaler(param_dtype: str, reduce_dtype: str, device: torch.device) -> ShardedGradScaler:
@@ -76,8 +83,10 @@ class Trainer:
 
     Collective: every rank of the (initialised) process group builds one and calls the same
     methods in the same order. Construction builds and initialises the model (or loads the
-    checkpoint `resume_from`), and on a fresh run rank 0 writes the run config and clears the
-    report files of an earlier checkpoint-less start.
+    checkpoint `resume_from`, or the --init-from weights), freezes the --freeze parameters; on a
+    fresh run rank 0 writes the run config and clears the report files of an earlier
+    checkpoint-less start, on a resumed one it records the resumption in run.json and clears the
+    stop record (`<out>/stopped.json`).
 
     Args:
         config: the run's config.
@@ -120,12 +129,8 @@ class Trainer:
         self.throughput = Throughput(self.tokens_per_step, world_size,
                                      flops_per_token(self.model_config, seq_len),
                                      device_peak_flops(device, config.param_dtype, config.peak_tflops))
-        self.model, no_decay = build_sharded_model(
-            self.model_config, device, dataclasses.replace(
-                mixed_precision(config.param_dtype, config.reduce_dtype),
-                all_gather_dtype=torch.int8 if config.all_gather_dtype == "int8" else None),
-            seed=None if resume_from else config.seed,
-            activation_checkpointing=config.activation_checkpointing, compiled=config.compile)
+        self.model, no_decay = self._build(resume_from)
+        self.frozen: FreezeSummary = freeze(self.model, config.freeze, self.model_config)
         self.optimizer = build_optimizer(self.model, no_decay, config.weight_decay, config.lr)
         self.scaler = build_grad_scaler(config.param_dtype, config.reduce_dtype, device)
         self.step, self.saved_extra = 0, {}
@@ -135,9 +140,8 @@ class Trainer:
             self.step, self.saved_extra = state["step"], state.get("extra") or {}
             if self.saved_extra.get("grad_scaler"):
                 self.scaler.load_state_dict(self.saved_extra["grad_scaler"])
-        elif rank == 0:
-            config.save()
-            report.reset(config.out)
+        if rank == 0:
+            self._record_start()
         dist.barrier()
         self.start_step = self.step
         self._train_batches = iter(self._loader(corpus.train, config.seed, self.step))
@@ -147,6 +151,33 @@ class Trainer:
         self.val_loss, self.val_step = None, None
         self.last_saved = self.step if self.resumed else None
         self.step_times: list[float] = []
+
+    def _build(self, resume_from: str | None) -> tuple[torch.nn.Module, frozenset[str]]:
+        """The sharded model (`build_sharded_model`), initialised from the seed, or left for the
+        checkpoint `resume_from`, or loaded from --init-from unit by unit (`load_pretrained`)."""
+        c = self.config
+        policy = dataclasses.replace(mixed_precision(c.param_dtype, c.reduce_dtype),
+                                     all_gather_dtype=torch.int8 if c.all_gather_dtype == "int8" else None)
+        fresh_init = resume_from is None and c.init_from is None
+        model, no_decay = build_sharded_model(
+            self.model_config, self.device, policy, seed=c.seed if fresh_init else None,
+            activation_checkpointing=c.activation_checkpointing, compiled=c.compile)
+        if resume_from is None and c.init_from is not None:
+            load_pretrained(model, c.init_from, self.model_config)
+        return model, no_decay
+
+    def _record_start(self) -> None:
+        """Rank 0: a fresh run writes run.json and clears an earlier start's reports; a resumed
+        one appends the resumption to run.json and clears the stop record."""
+        c = self.config
+        if not self.resumed:
+            c.save()
+            report.reset(c.out)
+            return
+        changed = c.record_resumption(self.step, self.world_size)["changed"]
+        clear_stop_record(c.out)
+        if changed:
+            _log.info("resumed with %s", ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items())))
 
     def _loader(self, data: torch.Tensor, seed: int, start_step: int):
         """This rank's batches of `data` from `start_step` on (`flashfsdp.train.data.batch_loader`)."""
@@ -274,12 +305,17 @@ class Trainer:
 
     def _train(self, progress: report.Progress) -> int:
         """`train` with its progress bar and metric sinks open."""
-        progress.write(self._header())
+        _log.info(self._header())
+        if self.config.freeze:
+            f = self.frozen
+            _log.info("--freeze: training %.2fM parameters, %.2fM frozen (%d tensors); about %s per rank "
+                      "of gradients and AdamW state not allocated", f.trainable / 1e6, f.frozen / 1e6,
+                      len(f.frozen_tensors), report.format_bytes(f.saved_bytes_per_rank(self.world_size)))
         self.evaluate()
         if self.resumed:
-            progress.write(f"resumed from step {self.start_step} of {self.config.out}: val loss "
-                           f"{self.val_loss:.4f} (saved: val {self.saved_extra.get('val_loss')}, "
-                           f"train {self.saved_extra.get('train_loss')})")
+            _log.info("resumed from step %d of %s: val loss %.4f (saved: val %s, train %s)",
+                      self.start_step, self.config.out, self.val_loss, self.saved_extra.get("val_loss"),
+                      self.saved_extra.get("train_loss"))
         progress.validation(self.step, self.val_loss, resumed=self.resumed,
                             world_size=self.world_size)
         try:
@@ -287,7 +323,7 @@ class Trainer:
         finally:
             progress.close()
         if interrupted:
-            return self._stop()
+            return self._stop(time.perf_counter() - self._t_start)
         if self.val_step != self.step:
             progress.validation(self.step, self.evaluate())
         if self.last_saved != self.step:
@@ -299,13 +335,13 @@ class Trainer:
         """Steps until `steps` or a stop request; returns True if stopped early."""
         c = self.config
         if self._stop_agreed():
-            progress.write(f"interrupted before the first step of this run (step {self.step})")
+            _log.info("interrupted before the first step of this run (step %d)", self.step)
             return True
         while self.step < c.steps:
             record, stop = self.train_step()
             progress.step(record, self.memory)
             if stop:
-                progress.write(f"interrupted: saving a checkpoint at step {self.step}")
+                _log.info("interrupted: saving a checkpoint at step %d", self.step)
                 return True
             if self.step % c.eval_every == 0 or self.step == c.steps:
                 progress.validation(self.step, self.evaluate())
@@ -314,10 +350,8 @@ class Trainer:
         return False
 
     def _save_final(self) -> None:
-        """`save`, and rank 0 prints the checkpoint's path."""
-        path = self.save()
-        if self.rank == 0:
-            print(f"flashfsdp-train: checkpoint {path}", flush=True)
+        """`save`, and log the checkpoint's path."""
+        _log.info("checkpoint %s", self.save())
 
     def _stop_agreed(self) -> bool:
         """Whether any rank's stop flag is set (collective: every rank gets the same answer)."""
@@ -326,12 +360,13 @@ class Trainer:
         dist.all_reduce(flag)
         return float(flag) > 0
 
-    def _stop(self) -> int:
+    def _stop(self, wall_s: float) -> int:
         """After the ranks agreed to stop on a signal ([Note: stop signals] in
         `flashfsdp.train.stopping`): save the checkpoint of the last step done unless it is on
         disk (a fresh run stopped before its first step has nothing to save), record it in
-        `<out>/stopped.json` for the launcher, and return the exit code: 128 + this rank's
-        signal (SIGTERM when the signal reached only other ranks)."""
+        `<out>/stopped.json` for the launcher, write the summary and loss plot of the steps done
+        (no samples), and return the exit code: 128 + this rank's signal (SIGTERM when the signal
+        reached only other ranks)."""
         if self.step > self.start_step and self.last_saved != self.step:
             self._save_final()
         signum = self.stop.signum or signal.SIGTERM
@@ -339,13 +374,15 @@ class Trainer:
             if self.rank == 0:
                 record_stop(self.config.out, self.step, run_id(), signal.Signals(signum).name)
             dist.barrier()  # no rank exits (and has the agent stop the others) before the record
+        if self.rank == 0 and self.step > self.start_step:
+            self._write_reports(wall_s, interrupted=f"{signal.Signals(signum).name} at step {self.step}")
         return exit_code(signum)
 
     def _header(self) -> str:
         """The first line of the run: model size, ranks, corpus and unigram baseline."""
         corpus = self.corpus
         unit = corpus.unit
-        return (f"flashfsdp-train: {self.model_config.num_params() / 1e6:.2f}M parameters, "
+        return (f"{self.model_config.num_params() / 1e6:.2f}M parameters, "
                 f"{self.world_size} rank(s) on {self.device.type}, corpus {corpus.source}: "
                 f"{corpus.train.numel() / 1e6:.1f}M {unit}s train ({corpus.train_files} files), "
                 f"{corpus.val.numel() / 1e6:.2f}M {unit}s val ({corpus.val_files} files), "
@@ -356,6 +393,13 @@ class Trainer:
         samples = self.sample() if self.config.sample_tokens > 0 else []
         if self.rank != 0:
             return
+        self._write_reports(wall_s)
+        if samples:
+            print(report.write_samples(self.config.out, self.config.prompt, samples), flush=True)
+
+    def _write_reports(self, wall_s: float, interrupted: str | None = None) -> None:
+        """Rank 0: summary.json and its table on stdout, and loss.png (`interrupted`: the signal
+        and step of an early stop, shown in the summary)."""
         out = self.config.out
         timed = self.step_times[1:] or self.step_times  # the first step includes warm-up costs
         summary = {
@@ -367,30 +411,40 @@ class Trainer:
             "unit": self.corpus.unit,
             "wall_s": wall_s, "peak_memory_bytes": self.memory.peak_bytes(),
             "overflow_steps": self.overflow_steps if self.scaler.is_enabled() else None,
+            "interrupted": interrupted,
+            **({"trainable_params": self.frozen.trainable, "frozen_params": self.frozen.frozen,
+                "frozen_saved_bytes_per_rank": self.frozen.saved_bytes_per_rank(self.world_size)}
+               if self.config.freeze else {}),
         }
         print(report.write_summary(out, summary), flush=True)
         report.plot_losses(out, self.unigram)
-        if samples:
-            print(report.write_samples(out, self.config.prompt, samples), flush=True)
 
 
 def run_worker(config: TrainConfig, corpus: Corpus | None = None,
-               resume_from: str | None = None) -> int:
+               resume_from: str | None = None, hold_lock: bool = False) -> int:
     """Train as one rank of the job torchrun / elastic started; returns the process exit code.
 
     Args:
         config: the run's config.
         corpus: the corpus if already loaded (by the checks), else it is loaded here.
         resume_from: the checkpoint to continue from (found by the checks), or None.
+        hold_lock: rank 0 takes the run directory's lock for the run (under a user's torchrun;
+            `flashfsdp-train`'s own launcher holds it for its workers). Held elsewhere: every
+            rank returns 2, rank 0 naming the holder.
     """
     rank, world_size, device = init_distributed(config.device, config.timeout)
     stop = StopFlag()
     config, resume_from = agree_run_dir(config, resume_from)
     if corpus is None:
         corpus = load_corpus(config.data, seed=config.seed, tokenizer=load_tokenizer(config.tokenizer))
+    lock = hold_on_rank0(config.out, rank) if hold_lock else None
     try:
+        if lock is not None and not lock.held:
+            return 2
         return Trainer(config, corpus, rank, world_size, device, stop, resume_from).train()
     finally:
+        if lock is not None:
+            lock.release()
         stop.restore()
         gc.collect()  # the model (cycles holding communicators and work handles) before its process group
         dist.destroy_process_group()
