@@ -9,6 +9,18 @@ from .deepspeed import zero3_model_states
 from .estimate import Estimate
 
 GIB = 2**30
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(nbytes: float) -> str:
+    """`nbytes` in the largest binary unit that keeps it at 1 or more, 3 significant digits:
+    "512 B", "1.5 KiB", "820 MiB", "8.18 GiB"."""
+    value, unit = float(nbytes), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{int(value)} B"
+    return f"{value:.0f} {_UNITS[unit]}" if abs(value) >= 100 else f"{value:.3g} {_UNITS[unit]}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -20,7 +32,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _row(label: str, nbytes: float) -> tuple[str, str, str]:
-    return label, f"{int(nbytes):,}", f"{nbytes / GIB:.2f}"
+    return label, f"{int(nbytes):,}", human_bytes(nbytes)
 
 
 def memory_table(est: Estimate) -> str:
@@ -36,9 +48,9 @@ def memory_table(est: Estimate) -> str:
         _row("step peak on top of the states", est.transient_peak_bytes),
         _row("total per rank (no activations)", est.total_bytes),
     ]
-    note = (f"largest unit: {largest.name} ({largest.numel:,} params, {largest.unsharded_bytes() / GIB:.2f} GiB "
+    note = (f"largest unit: {largest.name} ({largest.numel:,} params, {human_bytes(largest.unsharded_bytes())} "
             f"unsharded); unsharded at the peak: {', '.join(est.units_at_peak) or 'none'}")
-    return _table(("per rank", "bytes", "GiB"), rows) + "\n" + note
+    return _table(("per rank", "bytes", "size"), rows) + "\n" + note
 
 
 def comm_table(est: Estimate) -> str:
@@ -53,12 +65,12 @@ def comm_table(est: Estimate) -> str:
         rows.append(_row(f"all-reduced across {est.replicas} replicas", c.all_reduce))
     rows += [_row("sent per rank (ring)", c.sent), _row("DDP all-reduce of the gradients", c.ddp_all_reduce),
              _row("DDP sent per rank (ring)", c.ddp_sent)]
-    return _table(("per step", "bytes", "GiB"), rows) + f"\nsent / DDP's: {c.ratio_to_ddp:.2f}x"
+    return _table(("per step", "bytes", "size"), rows) + f"\nsent / DDP's: {c.ratio_to_ddp:.2f}x"
 
 
 def world_size_table(estimate_at: Callable[[int], Estimate], world_sizes: Sequence[int],
                      deepspeed_params: tuple[int, int]) -> str:
-    """Per-rank GiB over world sizes: flashfsdp's model states and total, and DeepSpeed's ZeRO-3
+    """Per-rank memory over world sizes: flashfsdp's model states and total, and DeepSpeed's ZeRO-3
     estimate without offload (4·largest layer + 18 bytes per parameter / W; ``deepspeed.py``).
 
     Args:
@@ -70,6 +82,6 @@ def world_size_table(estimate_at: Callable[[int], Estimate], world_sizes: Sequen
     for w in world_sizes:
         est = estimate_at(w)
         ds = zero3_model_states(*deepspeed_params, num_nodes=w)  # its GPU figure depends on W alone
-        rows.append((str(w), f"{est.model_state_bytes / GIB:.2f}", f"{est.params_peak_bytes / GIB:.2f}",
-                     f"{est.total_bytes / GIB:.2f}", f"{ds.gpu_bytes / GIB:.2f}"))
-    return _table(("W", "states GiB", "unsharded GiB", "total GiB", "DeepSpeed ZeRO-3 GiB"), rows)
+        rows.append((str(w), human_bytes(est.model_state_bytes), human_bytes(est.params_peak_bytes),
+                     human_bytes(est.total_bytes), human_bytes(ds.gpu_bytes)))
+    return _table(("W", "states", "unsharded", "total", "DeepSpeed ZeRO-3"), rows)

@@ -1,0 +1,84 @@
+"""The command lines: `flashfsdp-train --help` and its usage errors answer before torch is imported
+and list `export`; `python -m flashfsdp.estimate` names its dtypes first, takes a transformers
+config, prints human units and survives a closed pipe."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# Runs flashfsdp-train's entry point, then says whether torch was imported.
+_ENTRY = """
+import sys
+from flashfsdp_cli.train import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exit:
+    code = exit.code
+print("torch imported:", "torch" in sys.modules, "code:", code)
+"""
+
+
+def _entry(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _ENTRY, *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_help_answers_before_torch_and_lists_export():
+    done = _entry("--help")
+    assert done.stdout.strip().endswith("torch imported: False code: 0"), done.stderr
+    assert "flashfsdp-train export --out RUN --to DIR" in done.stdout and "--init-from DIR" in done.stdout
+    export = _entry("export", "--help")
+    assert "torch imported: False code: 0" in export.stdout and "--step N" in export.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--steps", "0"], "--steps must be positive, got 0"),
+    (["--lr", "1e-3", "--min-lr", "1"], "--min-lr in [0, lr]"),
+    (["--log-ranks", "some"], "--log-ranks 'some': give 0, all, or ranks such as 0,3"),
+    (["export", "--out", "run"], "the following arguments are required: --to"),
+])
+def test_usage_errors_are_one_line_before_torch(argv, message):
+    done = _entry(*argv)
+    assert "torch imported: False code: 2" in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flashfsdp-train") and message in lines[0], done.stderr
+
+
+def _estimate(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashfsdp.estimate", *argv], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_estimate_names_its_dtypes_first_and_prints_human_units():
+    done = _estimate("--preset", "tiny", "--world-size", "8", "--table", "8")
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("Llama tiny: ") and "dtypes assumed: float32 master weights" in first
+    assert "param_dtype fp32 (default), reduce_dtype fp32 (= param_dtype)" in first
+    assert " 0.00" not in done.stdout and " KiB" in done.stdout
+    bf16 = _estimate("--preset", "tiny", "--world-size", "8", "--param-dtype", "bf16", "--table")
+    assert "param_dtype bf16, reduce_dtype bf16 (= param_dtype)" in bf16.stdout.splitlines()[0]
+
+
+def test_estimate_of_a_transformers_config(tmp_path):
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = _estimate("--hf-config", str(tmp_path / "config.json"), "--world-size", "2", "--table")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("LlamaForCausalLM (llama): ") and ", 4 units, W = 2;" in done.stdout
+    bad = _estimate("--hf-config", str(tmp_path / "missing.json"), "--world-size", "2")
+    assert bad.returncode == 2 and bad.stderr.startswith("python -m flashfsdp.estimate: error: --hf-config ")
+
+
+def test_estimate_survives_a_closed_pipe():
+    done = subprocess.run(f"{sys.executable} -m flashfsdp.estimate --preset 8b --world-size 64 | head -1",
+                          shell=True, capture_output=True, text=True, timeout=300)
+    assert done.stdout.startswith("Llama 8b: ") and len(done.stdout.splitlines()) == 1
+    assert "BrokenPipeError" not in done.stderr and "Traceback" not in done.stderr, done.stderr
