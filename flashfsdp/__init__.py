@@ -12,7 +12,6 @@ from flashfsdp.bindings.fsdp_module import FSDPModule, UnshardHandle, register_f
 from flashfsdp.bindings.fully_shard import fully_shard
 from flashfsdp.bindings.functional import all_gather_with_grad
 from flashfsdp.bindings.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from flashfsdp.bindings.sharded_tensor import ShardedPiece
 from flashfsdp.bindings.full_state_dict import get_full_state_dict, set_full_state_dict
 from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from flashfsdp.bindings.hf_save import save_pretrained  # transformers is imported when it is called
@@ -32,10 +31,6 @@ from flashfsdp.fsdp1 import (  # FSDP1's wrapper API; the rest of its names: fla
 )
 from flashfsdp.runtime.trace import profile
 from flashfsdp.estimate import estimate  # the function; its package stays importable as flashfsdp.estimate.*
-from flashfsdp.bindings.clip_grad import route_stock_clip_grad_norm
-
-# torch.nn.utils.clip_grad_norm_ on flashfsdp parameters gives the global norm (see its docstring).
-route_stock_clip_grad_norm()
 
 __all__ = [
     "fully_shard",
@@ -49,7 +44,6 @@ __all__ = [
     "clip_grad_norm_",
     "ShardedGradScaler",
     "all_gather_with_grad",
-    "ShardedPiece",
     "get_full_state_dict",
     "set_full_state_dict",
     "get_optimizer_state_dict",

@@ -134,6 +134,11 @@ use_grad_for_differentiable = private("torch.optim.optimizer", "_use_grad_for_di
 refresh_per_optimizer_state = private("torch.distributed.fsdp.sharded_grad_scaler", "_refresh_per_optimizer_state")
 
 # ------------------------------------------------------------------------------ torch.distributed
+# runtime/sharding_spec.py: a unit's DTensor parameters and gradients built over views of its flat
+# shard without DTensor.from_local's per-call argument handling (FSDP2's _from_local_no_grad).
+_DTENSOR_SPEC = "torch.distributed.tensor._dtensor_spec"
+DTensorSpec = private(_DTENSOR_SPEC, "DTensorSpec")  # (mesh, placements, tensor_meta=TensorMeta)
+TensorMeta = private(_DTENSOR_SPEC, "TensorMeta")  # (shape, stride, dtype)
 get_default_store = private("torch.distributed.distributed_c10d", "_get_default_store")  # runtime/nccl.py
 # runtime/nccl.py: a process group is in c10d_world.pg_map ({ProcessGroup: (backend, store)}) from
 # its creation until destroy_process_group removes it; an NcclCommunicator is destroyed with its group.
@@ -160,3 +165,17 @@ wrap_module_cls_individually = private("torch.distributed.fsdp.wrap", "_wrap_mod
 sync_params_and_buffers = private("torch.distributed.utils", "_sync_params_and_buffers")  # fsdp1/module_init.py
 set_element = private("torch.distributed.checkpoint._traverse", "set_element")  # checkpoint/safe_metadata.py
 flatten_state_dict = private("torch.distributed.checkpoint._nested_dict", "flatten_state_dict")  # checkpoint/matching.py
+
+
+# ------------------------------------------------------------------------------------- DTensor
+# A DTensor's local tensor is its ``_local_tensor`` slot: read and re-pointed without the autograd
+# function behind the public ``to_local()`` (per parameter, in every step's hooks), as FSDP2 does
+# (``FSDPParam.reset_sharded_param``).
+def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (no copy, no autograd node)."""
+    return tensor._local_tensor
+
+
+def set_dtensor_local(tensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Make ``local`` the local tensor of the DTensor ``tensor`` (same shape and dtype as before)."""
+    tensor._local_tensor = local

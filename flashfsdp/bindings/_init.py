@@ -18,6 +18,7 @@ import torch.nn as nn
 from flashfsdp.kernels.validation import SUPPORTED_DTYPES
 from flashfsdp.runtime.comm_factory import KINDS, default_group, register_siblings
 from flashfsdp.runtime.communicator import Communicator
+from flashfsdp.runtime.sharding_spec import ShardingSpec
 
 from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -211,6 +212,11 @@ def _check_param(param: nn.Parameter, fqn: str, top: nn.Module) -> None:
             f"unit: pass the modules that share it to one call, fully_shard([module_a, module_b]), or "
             f"fully_shard only a module that contains all its users"
         )
+    if param.dim() == 0:
+        raise ValueError(
+            f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1. "
+            f"(FSDP2 shards every parameter along dim 0, so a 0-dim parameter has nothing to shard; pass it in "
+            f"ignored_params to leave it replicated)")
     if param.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"fully_shard: parameter '{fqn}' has dtype {param.dtype} and requires grad; only float32, bfloat16, "
@@ -295,6 +301,45 @@ def target_device(device: torch.device, mesh, offload: bool = False) -> torch.de
     else:
         kind = "cpu"
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+_default_meshes: dict[str, object] = {}
+
+
+def sharding_spec(mesh, comm: Communicator, device: torch.device) -> ShardingSpec:
+    """How the unit's parameters are shown: DTensors on ``mesh`` with FSDP2's placements —
+    ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on an HSDP mesh. Without a mesh,
+    on the 1-D mesh of the communicator's process group (the default group's, built once per
+    device type, as FSDP2's default mesh); a single process without ``torch.distributed``
+    gets plain tensors (``ShardingSpec(None)``).
+
+    Raises:
+        ValueError: a communicator over several ranks with no process group to build a mesh on.
+    """
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
+
+    if mesh is not None:
+        return ShardingSpec(mesh, (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0)))
+    if not (dist.is_available() and dist.is_initialized()):
+        if comm.world_size > 1:
+            raise ValueError(f"fully_shard: communicator {type(comm).__name__} spans {comm.world_size} ranks but "
+                             f"torch.distributed is not initialised: call dist.init_process_group first")
+        return ShardingSpec(None)
+    kind = "cpu" if device.type == "meta" else device.type
+    group = getattr(comm, "group", None)
+    if group is not None and group is not dist.group.WORLD:
+        return ShardingSpec(DeviceMesh.from_group(group, kind), (Shard(0),))
+    if comm.world_size != dist.get_world_size():
+        raise ValueError(
+            f"fully_shard: communicator {type(comm).__name__} spans {comm.world_size} ranks, the default process "
+            f"group {dist.get_world_size()}, and it has no process group to build the parameters' DeviceMesh on; "
+            f"pass mesh=DeviceMesh.from_group(<its group>, device_type) as well")
+    world, mesh = _default_meshes.get(kind, (None, None))
+    if world is not dist.group.WORLD:  # (a new default group since: a new mesh)
+        world, mesh = dist.group.WORLD, DeviceMesh.from_group(dist.group.WORLD, kind)
+        _default_meshes[kind] = (world, mesh)
+    return ShardingSpec(mesh, (Shard(0),))
 
 
 @dataclass(frozen=True)

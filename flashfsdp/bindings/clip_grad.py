@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Iterable
 
@@ -11,6 +10,7 @@ import torch.nn as nn
 
 from flashfsdp._torch_private import assert_async, foreach_mul_
 from flashfsdp.runtime.communicator import Communicator
+from flashfsdp.runtime.sharding_spec import is_dtensor, local_of
 
 from .agreement import raise_group_errors, raise_own
 from .init_window import close_init_windows
@@ -24,8 +24,11 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients by the norm of *all* gradients across ranks; return that norm.
 
-    Sharded parameters (local pieces) contribute their rank's part, summed over the unit's ranks
-    (max for ``norm_type=inf``); other parameters (replicated, e.g. ``ignored_params``) count once.
+    Sharded parameters (DTensors over their unit's flat shard) contribute their local chunk,
+    summed over the unit's ranks (max for ``norm_type=inf``) in one all-reduce per unit
+    communicator; other parameters (replicated, e.g. ``ignored_params``) count once. The stock
+    ``torch.nn.utils.clip_grad_norm_`` gives the same norm on DTensor gradients (FSDP2's way:
+    one DTensor reduction per parameter group); this one reads the units' flat layout instead.
     The norm is read from the gradients as they are now: a squared norm cached at the reduction
     could be stale without any sign of it (torch's ``GradScaler.unscale_`` and in-place ops
     through ``.grad.data`` change gradients without bumping their version counters).
@@ -61,7 +64,7 @@ def clip_grad_norm_(
         norm_type = _check_args(max_norm, norm_type)
     except ValueError as exc:
         error, norm_type = exc, 2.0  # (this rank still takes part in the all-reduces)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_of(p.grad) for p in params if p.grad is not None]
     comms = unit_communicators(params)
     if not grads and not comms:
         raise_own(error)
@@ -115,9 +118,9 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.
             continue
         group = getattr(p, "_flashfsdp_group", None)
         if group is None:
-            replicated.append(_norm_term(p.grad, norm_type))
+            replicated.append(_norm_term(p.grad.full_tensor() if is_dtensor(p.grad) else p.grad, norm_type))
         else:
-            terms_by_comm[id(p._flashfsdp_unit.comm)].append(_norm_term(p.grad, norm_type))
+            terms_by_comm[id(p._flashfsdp_unit.comm)].append(_norm_term(local_of(p.grad), norm_type))
     total = _combine(torch.zeros((), dtype=torch.float32, device=device), replicated, is_inf)
     # Flags sent with each norm part: [refused argument, replicated norm not finite]; >= 0, so both
     # sum and max leave them > 0 exactly when some rank raised one.
@@ -173,34 +176,3 @@ def _norm_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     if norm_type == 2.0:
         return (g * g).sum()
     return g.abs().pow(norm_type).sum()
-
-
-_stock_clip_grad_norm = None
-
-
-def route_stock_clip_grad_norm() -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` clip flashfsdp parameters by their global norm.
-
-    FSDP2 code calls the stock function on ``model.parameters()``: with DTensor gradients it sees the
-    global norm. flashfsdp's gradients are plain 1-D pieces, so the stock function would compute
-    each rank's *local* norm and clip each rank by a different factor — silently wrong. Importing
-    flashfsdp therefore wraps it (once): when any of the parameters is a flashfsdp piece the call
-    goes to :func:`clip_grad_norm_` (all-reduced, same result on every rank); otherwise to the
-    original, unchanged. ``torch.nn.utils.clip_grad.clip_grad_norm_`` is the same function.
-    """
-    global _stock_clip_grad_norm
-    import torch.nn.utils as nn_utils  # noqa: PLC0415
-    import torch.nn.utils.clip_grad as clip_module  # noqa: PLC0415
-
-    if _stock_clip_grad_norm is not None:
-        return
-    _stock_clip_grad_norm = stock = clip_module.clip_grad_norm_
-
-    @functools.wraps(stock)
-    def clip_grad_norm_routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if any(hasattr(p, "_flashfsdp_group") for p in params):
-            return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        return stock(params, max_norm, norm_type, error_if_nonfinite, foreach)
-
-    nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_routed

@@ -1,8 +1,12 @@
 """FSDPModule: the methods ``fully_shard`` adds to a module's class, with FSDP2's names.
 
-Every setter asks the module's :class:`~flashfsdp.bindings.state.FSDPState` (or those of every
-fully_shard'ed module below it, with ``recurse``); none pokes at its fields. The FSDP2 methods that
-cannot mean anything for flat units raise ``NotImplementedError`` saying why and what to use.
+flashfsdp's ``FSDPModule`` subclasses torch's ``torch.distributed.fsdp.FSDPModule``, so every
+``isinstance(m, FSDPModule)`` in client code (torchtitan's gradient-divide and no-sync gates,
+Lightning's checks, DSD) takes the FSDP path — and calls the methods below, which override every
+public method of torch's class. Every setter asks the module's
+:class:`~flashfsdp.bindings.state.FSDPState` (or those of every fully_shard'ed module below it,
+with ``recurse``); none pokes at its fields. The FSDP2 methods that cannot mean anything here
+raise ``NotImplementedError`` saying why and what to use.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from .elision import end_forward, set_enabled
 from .init_window import close_init_windows
@@ -32,13 +37,15 @@ class UnshardHandle:
             self._state = None
 
 
-class FSDPModule:
-    """Mixin that ``fully_shard`` adds to a module's class (``FSDP<ClassName>``), as FSDP2 does."""
+class FSDPModule(TorchFSDPModule):
+    """Mixin that ``fully_shard`` adds to a module's class (``FSDP<ClassName>``, one per class),
+    as FSDP2 does; a subclass of torch's ``FSDPModule``."""
 
     def __new__(cls, *args, **kwargs):
         """Constructing ``FSDP<ClassName>`` builds a plain ``ClassName`` (FSDP2 does the same): e.g.
         slicing a fully_shard'ed ``nn.Sequential`` gives a plain Sequential of its children."""
-        orig_cls = cls.__mro__[2]  # 0: FSDP<ClassName>, 1: FSDPModule
+        orig_cls = cls.__dict__.get("_flashfsdp_orig_cls") or next(
+            c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
@@ -73,7 +80,7 @@ class FSDPModule:
             raise RuntimeError(
                 f"{type(self).__name__}._apply (module.to / half / to_empty) while unit '{state.unit.name}' is "
                 f"unsharded: convert it outside forward/backward, after module.reshard()")
-        out = super()._apply(fn, recurse)
+        out = super(TorchFSDPModule, self)._apply(fn, recurse)  # (torch's FSDPModule._apply reads its own state)
         if state is not None:
             state.adopt_module_params()
         return out
@@ -315,6 +322,16 @@ class FSDPModule:
         every rank, in the same order."""
         for state in states_of(self, recurse, "set_separate_reduce_scatter_group"):
             state.set_separate_reduce_scatter_group(bool(enable))
+
+    def _get_fsdp_state(self):
+        """torch's private accessor of its own FSDP state, which a flashfsdp unit does not have.
+
+        Raises:
+            NotImplementedError: always, naming the public method to use instead.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} is a flashfsdp unit: torch's private FSDP state does not exist; use the public "
+            f"FSDPModule methods (unshard, reshard, set_*), which flashfsdp implements")
 
 
 def states_of(module: nn.Module, recurse: bool, where: str) -> list[FSDPState]:

@@ -16,12 +16,11 @@ import torch.nn as nn
 from flashfsdp.kernels import flatten, unflatten
 from flashfsdp.runtime.comm_factory import communicator_in_use, default_group
 from flashfsdp.runtime.flat_param import FlatParam, shards_written
+from flashfsdp.runtime.sharding_spec import is_dtensor
 
-from .agreement import agree, agree_from_rank0, global_rank
+from .agreement import agree, agree_from_rank0, agree_in_group, global_rank
 from .init_window import close_init_windows
-from .sharded_tensor import ShardedPiece
 from .state import FSDPState, TrainingState
-from .state_dict import unit_param_keys
 from .structure import check_same_structure
 
 
@@ -49,17 +48,18 @@ def _check_model(model: Any, where: str) -> list[tuple[str, FSDPState]]:
 
 
 def _owners(model: nn.Module) -> dict[str, tuple[FSDPState, int]]:
-    """State-dict key -> (state, unit parameter index) for every unit parameter of the model (a
-    grouped unit's parameters under each of its modules' paths)."""
-    owners = {}
-    for path, module in model.named_modules():
+    """State-dict key -> (state, unit parameter index) for every unit parameter of the model.
+
+    Found by identity: ``state_dict(keep_vars=True)`` holds the sharded parameters themselves,
+    whatever the keys became on the way (``checkpoint_wrapper`` strips its
+    ``_checkpoint_wrapped_module.`` prefix in a state-dict hook, for one)."""
+    by_id = {}
+    for module in model.modules():
         state = module.__dict__.get("_flashfsdp_state")
-        if state is None:
-            continue
-        prefix = f"{path}." if path else ""
-        for rel, i in unit_param_keys(state, module):
-            owners[prefix + rel] = (state, i)
-    return owners
+        if state is not None:
+            for i in range(len(state.registrations)):
+                by_id[id(state.unit.sharded_param(i))] = (state, i)
+    return {key: by_id[id(value)] for key, value in model.state_dict(keep_vars=True).items() if id(value) in by_id}
 
 
 def _wanted_by_group(state: FSDPState, owners: dict, keys) -> dict[int, dict[int, list[str]]]:
@@ -75,7 +75,7 @@ def _wanted_by_group(state: FSDPState, owners: dict, keys) -> dict[int, dict[int
 
 
 def _flat_buffers(states: list[tuple[str, FSDPState]]) -> Callable[[FlatParam, torch.device], torch.Tensor]:
-    """A getter of a T-element buffer for a group, reusing one buffer per (dtype, device) for all units.
+    """A getter of a W·S-element (gathered-layout) buffer for a group, reusing one buffer per (dtype, device) for all units.
 
     The buffer is as large as the largest group, allocated here (so that an allocation failure
     comes before the ranks agree, not between two collectives) and freed with the getter: one
@@ -87,11 +87,11 @@ def _flat_buffers(states: list[tuple[str, FSDPState]]) -> Callable[[FlatParam, t
     for _, state in states:
         for group in state.unit.groups:
             key = (group.dtype, state.unit.device)
-            sizes[key] = max(sizes.get(key, 0), group.layout.total)
+            sizes[key] = max(sizes.get(key, 0), group.layout.gathered_size)
     buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
 
     def get(group: FlatParam, device: torch.device) -> torch.Tensor:
-        return buffers[(group.dtype, device)][: group.layout.total]
+        return buffers[(group.dtype, device)][: group.layout.gathered_size]
 
     return get
 
@@ -100,10 +100,10 @@ def _flat_buffers(states: list[tuple[str, FSDPState]]) -> Callable[[FlatParam, t
 def gather_flat(unit, group: FlatParam, shard: torch.Tensor, full: torch.Tensor) -> None:
     """Collective over the unit's communicator: every rank's S-element ``shard`` into ``full``.
 
-    ``shard`` is laid out like ``group.sharded_flat`` (the master weights, or per-element optimizer
-    state placed at the pieces' offsets); ``full`` is a T-element buffer of its dtype on the unit's
-    device. This rank's shard is copied into its own slice of ``full`` and gathered in place, so
-    nothing is allocated between the ranks' agreement and the collective.
+    ``shard`` is laid out like ``group.sharded_flat``; ``full`` is a W·S-element buffer of its dtype
+    on the unit's device (the gathered layout: rank r's shard at r·S). This rank's shard is copied
+    into its own slice of ``full`` and gathered in place, so nothing is allocated between the
+    ranks' agreement and the collective.
     """
     S = group.layout.shard_size
     own = full[group.rank * S : (group.rank + 1) * S]
@@ -113,19 +113,54 @@ def gather_flat(unit, group: FlatParam, shard: torch.Tensor, full: torch.Tensor)
 
 @torch.no_grad()
 def cut_params(group: FlatParam, full: torch.Tensor, positions: list[int], target: torch.device) -> dict[int, torch.Tensor]:
-    """Parameters ``positions`` of ``group`` out of a gathered T-element ``full`` (local, no collective).
+    """Parameters ``positions`` of ``group`` out of a gathered W·S-element ``full`` (local, no
+    collective): each parameter's W chunks moved into one tensor of its full shape (``unflatten``).
 
     Returns:
         position -> tensor of the parameter's full shape and ``full``'s dtype on ``target`` (own memory).
     """
-    outs = [torch.empty(group.shapes[pos], dtype=full.dtype, device=target) for pos in positions]
-    offsets = [group.layout.offsets[pos] for pos in positions]
-    if target == full.device:
-        unflatten(full, offsets, outs)
-    else:
-        for out, pos, off in zip(outs, positions, offsets):
-            out.copy_(full[off : off + group.layout.numels[pos]].view(group.shapes[pos]))
-    return dict(zip(positions, outs))
+    outs = {pos: torch.empty(group.shapes[pos], dtype=full.dtype, device=full.device) for pos in positions}
+    segments = [s for s in group.layout.segments if s.param_index in outs]
+    unflatten(full, [s.gathered_offset for s in segments],
+              [outs[s.param_index].view(-1)[s.param_offset : s.param_offset + s.numel] for s in segments])
+    return {pos: out if out.device == target else out.to(target) for pos, out in outs.items()}
+
+
+@torch.no_grad()
+def full_unit_params(state: FSDPState, target: torch.device, keep: bool = True) -> dict[int, torch.Tensor]:
+    """Unit parameter index -> its full value on ``target`` (collective over the unit's ranks).
+
+    With ``keep=False`` this rank takes part in the all-gathers but cuts nothing out and returns
+    {} (the ranks that do not write a file in ``hf_save.py``). No rank is left waiting: the units'
+    structure is checked (once), the buffer is allocated and the ranks agree (one 1-element
+    all-reduce) before the all-gathers; a failure while cutting out the values (e.g. out of host
+    memory) lets the rank finish the unit's all-gathers, and the ranks agree again at the end of
+    the unit (raised on every rank).
+    """
+    unit = state.unit
+    check_same_structure([state])
+    by_group: dict[int, dict[int, int]] = {}
+    for i, (group, pos) in enumerate(unit.param_slots):
+        by_group.setdefault(id(group), {})[pos] = i
+    flat_buffer, error = None, None
+    try:
+        flat_buffer = _flat_buffers([("", state)])
+    except Exception as exc:  # noqa: BLE001 - agreed below
+        error = exc
+    agree_in_group(unit.comm, error, unit.device)
+    out: dict[int, torch.Tensor] = {}
+    for group in unit.groups:
+        positions = by_group.get(id(group), {})
+        full = flat_buffer(group, unit.device)
+        gather_flat(unit, group, group.sharded_flat, full)
+        if keep and error is None:
+            try:
+                for pos, tensor in cut_params(group, full, sorted(positions), target).items():
+                    out[positions[pos]] = tensor
+            except Exception as exc:  # noqa: BLE001 - the other ranks are still gathering
+                error, out = exc, {}
+    agree_in_group(unit.comm, error, unit.device)
+    return out
 
 
 @torch.no_grad()
@@ -133,8 +168,8 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
     """The unsharded state dict of a fully_shard'ed model: what the unwrapped model's ``state_dict()`` gives.
 
     Collective: every rank of every unit calls it. Unit by unit, each flat group's ``sharded_flat``
-    is all-gathered into one T-element buffer in the parameters' original dtype (not
-    ``param_dtype``), the parameters are cut out of it (``unflatten``, or views copied to the CPU),
+    is all-gathered into one W·S-element buffer in the parameters' original dtype (not
+    ``param_dtype``), the parameters are cut out of it (``unflatten``, then copied to the CPU),
     and the next unit reuses the buffer, so the extra memory on the device is one (the largest) unit.
 
     No rank is left waiting: the arguments and the model are checked on every rank and the ranks
@@ -201,8 +236,9 @@ def _plan_get(model: Any, cpu_offload: Any, rank0_only: Any) -> tuple:
     template = model.state_dict()
     owners = _owners(model)
     for key, value in template.items():
-        if isinstance(value, ShardedPiece) and key not in owners:
-            raise RuntimeError(f"get_full_state_dict: '{key}' is sharded but belongs to no unit of the model")
+        if is_dtensor(value) and key not in owners:
+            raise RuntimeError(f"get_full_state_dict: '{key}' is a DTensor but belongs to no unit of the model "
+                               f"(tensor parallelism?); gather it with value.full_tensor()")
     return states, template, owners, _flat_buffers(states)
 
 
@@ -234,7 +270,7 @@ def _validate_full_state_dict(state_dict: Any, template: Mapping[str, Any], stri
                 )
             continue
         value = state_dict[key]
-        if not isinstance(value, torch.Tensor) or isinstance(value, ShardedPiece):
+        if not isinstance(value, torch.Tensor) or is_dtensor(value):
             raise TypeError(f"set_full_state_dict: '{key}' must be a full (unsharded) tensor, got "
                             f"{type(value).__name__}; use flashfsdp.get_full_state_dict or the unwrapped model's state_dict()")
         if value.shape != expected.shape:
@@ -277,9 +313,9 @@ def loading_failed(exc: BaseException, where: str) -> RuntimeError:
 
 @torch.no_grad()
 def _broadcast_into_units(states, owners: dict, present: list[str], state_dict, flat_buffer) -> BaseException | None:
-    """Unit by unit: rank 0 packs a group's parameters into one T-element buffer (cast to the
-    group's dtype), the default group broadcasts it, every rank copies its elements into its
-    shard. A failure on a rank does not stop it: it keeps issuing every broadcast (rank 0 sends
+    """Unit by unit: rank 0 packs a group's parameters into one W·S-element buffer in the gathered
+    layout (cast to the group's dtype), the default group broadcasts it, every rank copies its
+    chunks into its shard. A failure on a rank does not stop it: it keeps issuing every broadcast (rank 0 sends
     zeros for a group it could not pack) and returns its first error, for the ranks to agree on."""
     is_root, error = global_rank() == 0, None
     for _, state in states:
@@ -298,20 +334,23 @@ def _broadcast_into_units(states, owners: dict, present: list[str], state_dict, 
                     flat.zero_()
             _world(unit.device).broadcast(flat, 0).wait()
             try:
+                mine = flat[group.rank * group.layout.shard_size :][: group.layout.shard_size]
                 for pos in positions:
-                    pc = group.pieces[pos]
-                    group.sharded_flat[pc.shard_start : pc.shard_end].copy_(flat[pc.flat_start : pc.flat_end])
+                    group.local_view(group.sharded_flat, pos).copy_(group.local_view(mine, pos))
             except Exception as exc:  # noqa: BLE001 - agreed by the caller
                 error = error or loading_failed(exc, f"unit '{unit.name}'")
     return error
 
 
 def _pack(group: FlatParam, positions: dict[int, list[str]], state_dict, flat: torch.Tensor, device) -> None:
-    """Rank 0: the group's parameters from ``state_dict`` into ``flat`` (gaps zeroed), in the group's dtype."""
+    """Rank 0: the group's parameters from ``state_dict`` into ``flat`` in the gathered layout (each
+    parameter's chunk r in rank r's shard; gaps zeroed), in the group's dtype."""
     sources = [None] * len(group.shapes)
     for pos, keys in positions.items():
         sources[pos] = state_dict[keys[0]].detach().reshape(-1).to(device=device, dtype=group.dtype)
-    flatten(sources, list(group.layout.offsets), flat, numels=list(group.layout.numels))
+    segments = group.layout.segments
+    flatten([None if sources[s.param_index] is None else sources[s.param_index][s.param_offset :][: s.numel]
+             for s in segments], [s.gathered_offset for s in segments], flat, numels=[s.numel for s in segments])
 
 
 def _world(device: torch.device):
@@ -347,7 +386,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
     theirs is not read). Every rank checks the model and arguments and rank 0 checks the dict, and
     the ranks agree before any broadcast: an error on any rank is raised on every rank (naming the
     rank), so none is left waiting. Then unit by unit rank 0 packs the group's parameters into one
-    T-element buffer in the parameters' original dtype (a value of another floating dtype, e.g. of
+    W·S-element buffer (the gathered layout) in the parameters' original dtype (a value of another floating dtype, e.g. of
     ``model.double().state_dict()``, is cast; ``flatten``: gaps zeroed), the default group's
     communicator broadcasts it, and each rank copies its elements into the sharded master storage in place; the
     next unit reuses the buffer. Buffers and parameters outside units are broadcast the same way

@@ -49,7 +49,7 @@ from flashfsdp.runtime.unit import ShardedUnit
 from . import _init
 from .fsdp_module import FSDPModule
 from .mixed_precision import MixedPrecisionPolicy, OffloadPolicy
-from .optim_state_dict import register_optimizer_step_hook
+from .optim_state_dict import register_optimizer_step_hooks
 from .state import FSDPState
 from .state_dict import install_state_dict_hooks
 
@@ -131,7 +131,7 @@ def _build_unit(modules, collected, groups: _init.MeshGroups, mesh, communicator
         "+".join(type(m).__name__ for m in modules), collected.params, collected.fqns, comm, device,
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype, post_forward_comm=post_forward_comm,
         offload=offload, pin_memory=pin_memory, replicate_comm=replicate_comm,
-        all_gather_dtype=mp_policy.all_gather_dtype,
+        all_gather_dtype=mp_policy.all_gather_dtype, spec=_init.sharding_spec(mesh, comm, target),
     )
     return unit, resolved
 
@@ -151,18 +151,31 @@ def _install(modules, unit: ShardedUnit, collected, mp_policy: MixedPrecisionPol
     _init.mark_taken(collected.params, f"the unit of {unit.name}")
     _init.register_composable(modules)
     for m in modules:
-        cls = m.__class__
-        m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.__class__ = fsdp_class(m.__class__)
     state = FSDPState(modules, unit, collected.registrations, mp_policy, resolved, class_name=unit.name,
                       param_owners=collected.owners, comm_spec=comm_spec, compute_device=target)
     for m in modules:
         m.__dict__["_flashfsdp_state"] = state
-        # state_dict() yields each unit parameter as a ShardedPiece that torch.distributed.checkpoint
-        # saves and reshards; load_state_dict() writes into the sharded pieces (see state_dict.py).
+        # state_dict() yields each unit parameter as its sharded DTensor (also inside forward, when
+        # the module holds the unsharded ones); load_state_dict() writes into the shard (state_dict.py).
         install_state_dict_hooks(m, state)
-    # Optimizers over the pieces get their state-dict hooks at their first step (optim_state_dict.py).
-    register_optimizer_step_hook()
+    register_optimizer_step_hooks()
     _adopt_nested(collected.nested, state)
+
+
+# One FSDP<Class> per original class, as torch keeps (``cls_to_fsdp_cls``): a type per module
+# instance would make every block a new class to torch.compile, which recompiles per class.
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def fsdp_class(cls: type) -> type:
+    """``FSDP<cls.__name__>``: a subclass of :class:`FSDPModule` (itself torch's ``FSDPModule``) and
+    ``cls``, created once per class."""
+    fsdp_cls = _FSDP_CLASSES.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_flashfsdp_orig_cls": cls})
+        _FSDP_CLASSES[cls] = fsdp_cls
+    return fsdp_cls
 
 
 def _state(module: nn.Module) -> FSDPState | None:

@@ -1,14 +1,11 @@
 """``flashfsdp.save_pretrained``: a Hugging Face model sharded with ``fully_shard``, saved as a folder
 that ``from_pretrained`` loads, with rank 0 holding one unit at a time.
 
-transformers' own ``model.save_pretrained(path)`` fails on a model sharded by hand with FSDP2 (it
-takes ``model.state_dict()``'s DTensors for full tensors; only a model it sharded itself through a
-``distributed_config`` is gathered, and then whole, to rank 0's host memory). On a flashfsdp model
-the method works, called on every rank (``dsd_full.py`` hands it the full model on rank 0's CPU),
-but with the same memory: its write loop runs on rank 0 alone after the whole state dict is built,
-so it cannot gather lazily (an all-gather needs every rank), and safetensors writes a file from a
-dict in memory. So :func:`save_pretrained` does the gathering and writing itself, unit by unit, and
-leaves the rest to transformers and safetensors:
+transformers' own ``model.save_pretrained(path)`` sees ``model.state_dict()``'s DTensors, as on a
+model sharded by hand with FSDP2; even where it gathers them, its write loop runs on rank 0 alone
+after the whole state dict is built, so it cannot gather lazily (an all-gather needs every rank),
+and safetensors writes a file from a dict in memory. So :func:`save_pretrained` does the gathering
+and writing itself, unit by unit, and leaves the rest to transformers and safetensors:
 
 1. every rank: the units (in module order) and the state-dict keys each one saves — tied weights and
    ``_keys_to_ignore_on_save`` dropped by transformers' own ``remove_tied_weights_from_state_dict``
@@ -16,7 +13,7 @@ leaves the rest to transformers and safetensors:
    (None: one file per unit); rank 0 writes ``config.json`` (and ``generation_config.json``) the
    way ``save_pretrained`` does and removes shard files a previous save left; the ranks agree;
 2. file by file, unit by unit: the unit's flat groups are all-gathered in the parameters' original
-   dtype (``dsd_full.full_unit_params``: one unit on the device), rank 0 keeps the values on the CPU,
+   dtype (``full_state_dict.full_unit_params``: one unit on the device), rank 0 keeps the values on the CPU,
    applies transformers' ``revert_weight_conversion`` (its own per-shard path for offloaded models)
    and writes the file with ``safetensors.torch.save_file``, then drops them;
 3. rank 0 writes ``model.safetensors.index.json`` when there is more than one file; the ranks agree
@@ -36,19 +33,17 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from flashfsdp.runtime.sharding_spec import is_dtensor
 
 from .agreement import agree, global_rank
-from .dsd_full import full_unit_params
-from .full_state_dict import _check_model, _owners
-from .sharded_tensor import ShardedPiece
+from .full_state_dict import _check_model, _owners, full_unit_params
 from .state import FSDPState
 from .structure import check_same_structure
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclasses.dataclass
@@ -160,8 +155,8 @@ def _plan(model: Any, save_directory: Any, max_shard_size: Any) -> _Plan:
     for key in keys:
         if key in owners:
             by_state.setdefault(id(owners[key][0]), []).append(key)
-        elif isinstance(template[key], ShardedPiece):
-            raise RuntimeError(f"save_pretrained: '{key}' is sharded but belongs to no unit of the model")
+        elif is_dtensor(template[key]):
+            raise RuntimeError(f"save_pretrained: '{key}' is a DTensor but belongs to no unit of the model")
         else:
             plain.append(key)
     chunks = [(state, by_state[id(state)]) for state in states if id(state) in by_state]
@@ -195,7 +190,7 @@ def _gather_chunk(plan: _Plan, state: FSDPState | None, keys: list[str], keep: b
     """The chunk's full values on the CPU (collective over the unit's ranks; {} unless ``keep``)."""
     if state is None:
         return {key: plan.template[key].detach().to("cpu").clone() for key in keys} if keep else {}
-    fulls = full_unit_params(state, _ON_CPU, keep=keep)
+    fulls = full_unit_params(state, torch.device("cpu"), keep=keep)
     return {key: fulls[plan.owners[key][1]] for key in keys} if keep else {}
 
 

@@ -2,32 +2,35 @@
 
 Big models are built on the meta device, sharded, materialised with ``to_empty`` (only this rank's
 shard is ever allocated) and then initialised: ``module.reset_parameters()``, torchtitan's
-``init_weights()``, a Hugging Face ``_init_weights``. That code reads the parameter's *full*
-shape (``kaiming_uniform_`` computes the fan-in from it, ``Embedding`` zeroes row
-``padding_idx``) and may run any tensor code on it (``trunc_normal_`` samples by rejection),
-while a flashfsdp parameter outside forward is this rank's 1-D piece of the flattened parameter.
+``init_weights()``, a Hugging Face ``_init_weights``. On a DTensor parameter that code already
+sees the full shape (``kaiming_uniform_`` computes the fan-in from it), but a random op draws
+each rank's chunk from the rank's own generator: the values then differ from what an unsharded
+model gets from the same seed (FSDP2 on CPU, or without torch's DTensor RNG tracker), and
+rank-local tensor code (``trunc_normal_`` samples by rejection) sees only the chunk.
 
 So from ``to_empty`` until the model is first used (a forward, a state dict, an optimizer step,
-gradient clipping, another ``module.to``: see :func:`close_init_windows`),
-each piece's class is swapped to :class:`ShardedInitParameter` (the same object: optimizers built
+gradient clipping, another ``module.to``: see :func:`close_init_windows`), each sharded
+parameter's class is swapped to :class:`ShardedInitParameter` (the same object: optimizers built
 meanwhile keep it). Inside this *init window*:
 
-- shape queries answer with the full shape; introspection (dtype, device, ``requires_grad_``,
-  hashing) sees the piece;
+- metadata (shape, dtype, device, placements, ``requires_grad_``, hashing) is the DTensor's own;
+- DTensor methods (``to_local``, ``full_tensor``, ``redistribute``) see the shard, with the
+  window's writes copied back first;
 - any other operation runs on the parameter's **full-shape stand-in**: its flat group is
-  *activated* — a buffer of the group's whole flat layout (T elements, the master dtype) holding
-  this rank's shard in its range and NaN elsewhere — and the operation gets the parameter's view
+  *activated* — a plain buffer of the group's unsharded layout (the master dtype) holding this
+  rank's rows of every parameter and NaN elsewhere — and the operation gets the parameter's view
   of it. Every rank runs the same initialisation code on the same full shapes with the same
-  generator, so each draws the full tensors exactly as the unsharded model would and its own
-  range holds exactly the unsharded model's values (no collective is needed, so rank-local code
-  cannot hang). When the group is deactivated (a few groups stay active at once, the least
-  recently used goes first; all go when the window closes) its range is copied back into the
-  shard. What is left NaN is what no rank could know without a collective: code that reads
-  values it did not write in this window across ranks (``p / p.norm()`` right after a load) gets
-  NaN, visibly, instead of silently wrong numbers.
+  generator, so each draws the full tensors exactly as the unsharded model would and its own rows
+  hold exactly the unsharded model's values (no collective is needed, so rank-local code cannot
+  hang). When the group is deactivated (a few groups stay active at once, the least recently used
+  goes first; all go when the window closes) its rows are copied back into the shard. What is left
+  NaN is what no rank could know without a collective: code that reads values it did not write in
+  this window across ranks (``p / p.norm()`` right after a load) gets NaN, visibly, instead of
+  silently wrong numbers.
 
 Memory: at most :data:`MAX_ACTIVE` groups' full buffers at a time (a unit's unsharded size in the
-master dtype), as during a forward.
+master dtype), as during a forward. Plain parameters (one process without ``torch.distributed``)
+hold the whole tensor already and get no window.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import weakref
 from collections import OrderedDict
 
 import torch
-import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from flashfsdp._torch_private import DisableTorchFunctionSubclass, pytree
 from flashfsdp.runtime.flat_param import shards_written
@@ -48,30 +51,32 @@ _OPEN: dict[int, weakref.ref] = {}
 # id(group) -> (group, full flat buffer), least recently used first
 _ACTIVE: "OrderedDict[int, tuple[object, torch.Tensor]]" = OrderedDict()
 
-_T = torch.Tensor
-_METADATA = {_T.size, _T.dim, _T.ndimension, _T.numel, _T.nelement, _T.__len__,
-             _T.shape.__get__, _T.ndim.__get__}
 _PASSTHROUGH_NAMES = {
     "__hash__", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__",
     "requires_grad_", "is_floating_point", "is_complex", "element_size", "data_ptr", "untyped_storage",
     "_typed_storage", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "_is_view",
-    "get_device", "is_pinned", "__dlpack_device__", "__set__",
+    "get_device", "is_pinned", "__dlpack_device__", "__set__", "size", "dim", "ndimension", "numel", "nelement",
+    "__len__", "stride", "is_contiguous",
 }
 _PASSTHROUGH_GETTERS = {"requires_grad", "is_leaf", "grad", "dtype", "device", "layout", "is_cuda", "is_cpu",
-                        "is_meta", "is_sparse", "_version", "grad_fn", "names", "name", "is_quantized"}
+                        "is_meta", "is_sparse", "_version", "grad_fn", "names", "name", "is_quantized", "shape",
+                        "ndim", "placements", "device_mesh"}
+# What reads the shard itself: pickling, copying, autograd Functions applied to the parameter
+# (DTensor's own, e.g. from_local's); DTensor's methods are overridden below.
+_SHARD_READERS = {"__reduce_ex__", "__deepcopy__", "apply"}
 
 
-class ShardedInitParameter(nn.Parameter):
-    """A sharded piece inside the init window (module docstring). Never constructed: the class of
-    an existing piece is swapped to this one by :func:`open_init_window` and back by
-    :func:`close_init_windows`."""
+class ShardedInitParameter(DTensor):
+    """A sharded DTensor parameter inside the init window (module docstring). Never constructed:
+    the class of an existing parameter is swapped to this one by :func:`open_init_window` and back
+    by :func:`close_init_windows`."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        piece = next(a for a in (*args, *kwargs.values()) if isinstance(a, ShardedInitParameter))
-        if func in _METADATA:
-            return _metadata(func, piece, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _SHARD_READERS:
+            return _as_dtensors(func, args, kwargs)
         if _is_passthrough(func):
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -79,12 +84,31 @@ class ShardedInitParameter(nn.Parameter):
         with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    # DTensor's methods read ``_local_tensor`` directly (no torch function): the window's writes
+    # are copied back into the shard first.
+    def to_local(self, *args, **kwargs):  # noqa: D102 - DTensor's
+        return _as_dtensors(DTensor.to_local, (self, *args), kwargs)
 
-def _metadata(func, piece: torch.Tensor, args: tuple, kwargs: dict):
-    """Shape queries answered with the parameter's full shape (on a meta tensor of it)."""
-    full = torch.empty(piece._flashfsdp_full_shape, device="meta")
-    rest = args[1:] if args and args[0] is piece else args
-    return func(full, *rest, **kwargs)
+    def full_tensor(self, *args, **kwargs):  # noqa: D102 - DTensor's
+        return _as_dtensors(DTensor.full_tensor, (self, *args), kwargs)
+
+    def redistribute(self, *args, **kwargs):  # noqa: D102 - DTensor's
+        return _as_dtensors(DTensor.redistribute, (self, *args), kwargs)
+
+
+def _as_dtensors(func, args: tuple, kwargs: dict):
+    """Run a DTensor method on the parameters as the plain DTensors they are outside the window
+    (their groups' stand-ins copied back first): its collectives must run as DTensor runs them."""
+    params = [a for a in (*args, *kwargs.values()) if isinstance(a, ShardedInitParameter)]
+    for p in params:
+        if id(p._flashfsdp_group) in _ACTIVE:
+            _deactivate(id(p._flashfsdp_group))
+        p.__class__ = DTensor
+    try:
+        return func(*args, **kwargs)
+    finally:
+        for p in params:
+            p.__class__ = ShardedInitParameter
 
 
 def _is_passthrough(func) -> bool:
@@ -101,39 +125,42 @@ def _full_or_same(a):
     return full_view(a) if isinstance(a, ShardedInitParameter) else a
 
 
-def full_view(piece: torch.Tensor) -> torch.Tensor:
-    """The full-shape stand-in of a piece inside the init window (activating its group)."""
-    group = piece._flashfsdp_group
+def full_view(param: torch.Tensor) -> torch.Tensor:
+    """The full-shape stand-in of a sharded parameter inside the init window (activating its group)."""
+    group = param._flashfsdp_group
     key = id(group)
     if key in _ACTIVE:
         _ACTIVE.move_to_end(key)
     else:
         while len(_ACTIVE) >= MAX_ACTIVE:
             _deactivate(next(iter(_ACTIVE)))
-        flat = torch.full((group.layout.total,), float("nan"), dtype=group.dtype, device=group.sharded_flat.device)
-        lo, hi = group.shard_range
+        flat = torch.full((group.layout.unsharded_size,), float("nan"), dtype=group.dtype,
+                          device=group.sharded_flat.device)
         with torch.no_grad(), DisableTorchFunctionSubclass():
-            flat[lo:hi].copy_(group.sharded_flat)
+            for i, full in enumerate(_full_views(group, flat)):
+                group._chunk_of(full, i).copy_(group.local_view(group.sharded_flat, i))
         _ACTIVE[key] = (group, flat)
-    flat = _ACTIVE[key][1]
-    i = piece._flashfsdp_piece.param_index
-    offset, numel = group.layout.offsets[i], group.layout.numels[i]
-    return flat[offset : offset + numel].view(group.shapes[i])
+    return _full_views(group, _ACTIVE[key][1])[param._flashfsdp_index]
+
+
+def _full_views(group, flat: torch.Tensor) -> list[torch.Tensor]:
+    return [v.view(shape) for v, shape in zip(group.unsharded_views(flat), group.shapes)]
 
 
 def _deactivate(key: int) -> None:
-    """Copy a group's range of its full stand-in back into its shard and drop the stand-in."""
+    """Copy a group's rows of its full stand-in back into its shard and drop the stand-in."""
     group, flat = _ACTIVE.pop(key)
-    lo, hi = group.shard_range
     with torch.no_grad(), DisableTorchFunctionSubclass():
-        group.sharded_flat.copy_(flat[lo:hi])
+        for i, full in enumerate(_full_views(group, flat)):
+            group.local_view(group.sharded_flat, i).copy_(group._chunk_of(full, i))
     shards_written()
 
 
-def open_init_window(pieces: list[torch.Tensor]) -> None:
-    """Swap these pieces' class to :class:`ShardedInitParameter` until :func:`close_init_windows`."""
-    for p in pieces:
-        if type(p) is nn.Parameter:
+def open_init_window(params: list[torch.Tensor]) -> None:
+    """Swap these sharded parameters' class to :class:`ShardedInitParameter` until
+    :func:`close_init_windows` (DTensor parameters only: a plain one holds its whole tensor)."""
+    for p in params:
+        if type(p) is DTensor:
             p.__class__ = ShardedInitParameter
             _OPEN[id(p)] = weakref.ref(p)
 
@@ -154,5 +181,5 @@ def close_init_windows(pieces: list[torch.Tensor] | None = None) -> None:
             _deactivate(key)
     for p in pieces:
         if p is not None and type(p) is ShardedInitParameter:
-            p.__class__ = nn.Parameter
+            p.__class__ = DTensor
             _OPEN.pop(id(p), None)

@@ -1,67 +1,35 @@
-"""Sharded and full state dicts of fully_shard'ed modules; torch.distributed.checkpoint integration.
+"""Sharded state dicts of fully_shard'ed modules: FSDP2's, plain DTensors.
 
 Which calls to use (every one collective unless said otherwise)
 ----------------------------------------------------------------
 ============================================  =====================================================
 sharded checkpoint, model + optimizer          ``flashfsdp.checkpoint.save`` / ``load`` (atomic), or
 (reshardable to any world size)                ``dcp.save`` / ``dcp.load`` of ``model.state_dict()``
-                                               and ``flashfsdp.get_optimizer_state_dict``, then
-                                               ``model.load_state_dict`` and
-                                               ``flashfsdp.set_optimizer_state_dict``; the stock
+                                               and ``optimizer.state_dict()`` (or the stock
                                                ``torch.distributed.checkpoint.state_dict``
-                                               ``get_state_dict`` / ``set_state_dict`` (and the
-                                               model/optimizer variants) with the default
-                                               options work too
-full model state dict (plain tensors)          ``flashfsdp.get_full_state_dict`` / ``set_full_state_dict``
-full state dict *into* a flashfsdp model       also ``set_model_state_dict`` /
-                                               ``set_optimizer_state_dict`` with
+                                               ``get_state_dict`` / ``set_state_dict``), as with FSDP2
+full model state dict (plain tensors)          ``flashfsdp.get_full_state_dict`` / ``set_full_state_dict``,
+                                               or DSD's getters and setters with
                                                ``StateDictOptions(full_state_dict=True)``
-                                               (``broadcast_from_rank0`` too), or
-                                               ``model.load_state_dict(full_sd)`` on every rank
+full state dict *into* a flashfsdp model       also ``model.load_state_dict(full_sd)`` on every rank
 ============================================  =====================================================
 
-``StateDictOptions(full_state_dict=True)`` in the *getters* of
-``torch.distributed.checkpoint.state_dict`` (``get_state_dict``, ``get_model_state_dict``,
-``get_optimizer_state_dict``) works too: DSD gathers only DTensor and ShardedTensor values, so the
-hooks below recognise its full getter on the call stack and hand it full tensors, gathered unit by
-unit (``dsd_full.py``).
-
 Sharded (the default, what ``module.state_dict()`` returns): every parameter of a unit appears under
-its original fully-qualified name as a :class:`~flashfsdp.bindings.sharded_tensor.ShardedPiece`,
-the parameter's full shape around this rank's 1-D piece, which ``torch.distributed.checkpoint``
-(DCP) saves without gathering and loads back at any world size (the piece is described to DCP as
-rectangular boxes of the N-D tensor, see [Note: the range as N-D boxes] in ``sharded_tensor.py``).
-Buffers and parameters outside any unit stay plain tensors (replicated; DCP writes them once).
-``module.load_state_dict`` takes what DCP loaded (the same ShardedPieces) or plain full-shape
-tensors and writes this rank's elements into the sharded master storage in place. Both go through
-the state-dict hooks that :func:`install_state_dict_hooks` registers on every fully_shard'ed module,
-so ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``set_model_state_dict`` work
-unchanged (they call ``state_dict`` / ``load_state_dict``). The keys are the module hierarchy's
+its original fully-qualified name as its sharded DTensor (FSDP2's placements and global shape,
+detached unless ``keep_vars``), also while the module holds its unsharded parameters inside a
+forward; ``torch.distributed.checkpoint`` saves and reshards it natively, ``torch.load(...,
+weights_only=True)`` reads a ``torch.save``'d one without flashfsdp, and DSD's full-state-dict
+options gather it with ``full_tensor()``. Buffers and parameters outside any unit stay plain tensors
+(replicated). ``module.load_state_dict`` takes DTensors of the unit's placements (copied into the
+shard in place), DTensors of other placements (redistributed first) or plain full-shape tensors
+(this rank's rows taken): the hooks below, registered on every fully_shard'ed module by
+:func:`install_state_dict_hooks`, replace each value by a DTensor of the unit's placements, which
+``nn.Module``'s loader copies into the sharded parameter. The keys are the module hierarchy's
 (``nn.Module.state_dict``'s), never a name stored on a parameter.
 
-Optimizer state ([Note: optimizer state-dict hooks] in ``optim_state_dict.py``): an optimizer's
-state of a sharded parameter (``exp_avg``, ``momentum_buffer``, ...) is a 1-D tensor shaped like
-this rank's piece, which DCP would take for a replicated tensor (and keep one rank's, silently
-losing the others'). So every optimizer over flashfsdp parameters gets two hooks of its own:
-``optimizer.state_dict()`` returns each per-element state tensor as a ShardedPiece of the
-parameter's full shape (what DCP saves and reshards like the parameter), and
-``optimizer.load_state_dict`` turns ShardedPieces (what ``dcp.load`` filled) and full-shape tensors
-(a full optimizer state dict) back into this rank's piece. The hooks are installed on an optimizer
-the first time it steps (a global optimizer step-pre-hook, registered by the first ``fully_shard``;
-DSD's getters and setters step a fresh optimizer once with lr 0 to create its state, which installs
-them) and by :func:`~flashfsdp.bindings.optim_state_dict.get_optimizer_state_dict` /
-:func:`~flashfsdp.bindings.optim_state_dict.set_optimizer_state_dict`. Scalars (``step``) and
-``param_groups`` stay as they are (replicated). DSD keys the state by parameter name (it maps the
-pieces through ``model.named_parameters()``).
-
-Full state dicts (:func:`~flashfsdp.bindings.full_state_dict.get_full_state_dict` /
-:func:`~flashfsdp.bindings.full_state_dict.set_full_state_dict`): exactly the keys, order and
-shapes of ``nn.Module.state_dict()`` of the unwrapped model, gathered (or broadcast from rank 0) one
-unit at a time through the unit's own communicator, so that peak memory is one unit.
-
-This module holds the sharded model state dict (the hooks) and the refusal of DSD's full-state-dict
-getters; ``full_state_dict.py`` the full state dicts, ``optim_state_dict.py`` the optimizer's, and
-``agreement.py`` the cross-rank error agreement they share.
+Optimizer state of stock optimizers is per parameter and so DTensors too (``torch.optim`` creates
+it with ``zeros_like`` of the DTensor parameter); ``flashfsdp.optim`` keeps the same layout.
+Full state dicts are in ``full_state_dict.py``.
 """
 
 from __future__ import annotations
@@ -73,10 +41,9 @@ import torch
 import torch.nn as nn
 
 from flashfsdp.runtime.flat_param import shards_written
+from flashfsdp.runtime.sharding_spec import is_dtensor, local_of
 
-from .dsd_full import dsd_full_request, full_unit_params
 from .init_window import close_init_windows
-from .sharded_tensor import ShardedPiece
 from .state import FSDPState
 
 
@@ -85,8 +52,7 @@ def install_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
     """Make ``module.state_dict()`` / ``module.load_state_dict()`` sharded-aware (called by fully_shard).
 
     Each hook handles only the parameters of ``state``'s unit; nested fully_shard'ed modules run
-    their own hooks, as ``nn.Module.state_dict`` visits every submodule. (``fully_shard`` also
-    registers the optimizer step-pre-hook of ``optim_state_dict.py``.)
+    their own hooks, as ``nn.Module.state_dict`` visits every submodule.
     """
     module.register_state_dict_post_hook(functools.partial(_post_state_dict, state))
     module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state))
@@ -116,27 +82,39 @@ def unit_param_keys(state: FSDPState, module: nn.Module | None = None) -> list[t
     return keys
 
 
-def _sharded_piece(param: nn.Parameter, key: str, keep_vars: bool) -> ShardedPiece:
-    local = param if keep_vars else param.detach()
-    return ShardedPiece(local, param._flashfsdp_full_shape, param._flashfsdp_piece.param_start, fqn=key)
-
-
 def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     close_init_windows()
-    info = dsd_full_request()
-    if info is not None:  # DSD's full-state-dict getter: full tensors (see dsd_full.py)
-        fulls = full_unit_params(state, info)
-        for rel, i in unit_param_keys(state, module):
-            if prefix + rel in state_dict:
-                state_dict[prefix + rel] = fulls[i]
-        return
-    # The registrations hold the sharded pieces outside forward/backward and the unsharded views
-    # inside; either way the master values are the pieces.
-    for rel, i in unit_param_keys(state, module):
-        key = prefix + rel
-        if key in state_dict:
-            keep_vars = isinstance(state_dict[key], nn.Parameter)
-            state_dict[key] = _sharded_piece(state.unit.sharded_param(i), key, keep_vars)
+    # The entries are found by what they hold, not by their keys: a hook registered earlier may
+    # have renamed them (checkpoint_wrapper strips "_checkpoint_wrapped_module."). Inside
+    # forward/backward the registrations hold the unsharded views: keys then (the views are not
+    # the sharded parameters). Detached values are built over the local chunk here, not by
+    # ``param.detach()`` (see [Note: DTensor wrapper storage offset] in runtime/sharding_spec.py).
+    params = [state.unit.sharded_param(i) for i in range(len(state.registrations))]
+    by_param = {id(p): i for i, p in enumerate(params)}
+    by_local = {_local_key(p): i for i, p in enumerate(params)}
+    if state.holds_unsharded:
+        by_unsharded = {id(state.unit.unsharded_param(i)): i for i in range(len(params))}
+    for key, value in list(state_dict.items()):
+        if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
+            continue
+        i = by_param.get(id(value))
+        if i is None and is_dtensor(value):
+            i = by_local.get(_local_key(value))
+        if i is None and state.holds_unsharded:
+            i = by_unsharded.get(id(value), by_unsharded.get(id(getattr(value, "_base", None))))
+        if i is None:
+            continue
+        param = params[i]
+        if isinstance(value, nn.Parameter):
+            state_dict[key] = param
+        else:
+            group, _ = state.unit.param_slots[i]
+            state_dict[key] = group.spec.wrap(local_of(param).detach(), param.shape)
+
+
+def _local_key(tensor: torch.Tensor) -> tuple:
+    local = local_of(tensor)
+    return (local.data_ptr(), tuple(local.shape), local.dtype, tuple(tensor.shape))
 
 
 def _pre_load_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str, local_metadata,
@@ -148,58 +126,46 @@ def _pre_load_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, 
             f"load_state_dict on fully_shard'ed module '{state.unit.name}' while its parameters are unsharded: "
             f"call it outside forward/backward, after module.reshard()"
         )
-    # Replace each value by this rank's piece; the default loader then copies it into the piece.
+    # Replace each value by a DTensor of the unit's placements; the default loader then copies it
+    # into the sharded parameter (DTensor.copy_: its local tensor, this rank's chunk of the shard).
     for rel, i in unit_param_keys(state, module):
         key = prefix + rel
         if key in state_dict:
-            state_dict[key] = local_piece_of(state_dict[key], state.unit.sharded_param(i), key)
+            state_dict[key] = sharded_value_of(state_dict[key], state.unit.sharded_param(i), key)
 
 
 def _post_load_state_dict(state: FSDPState, module: nn.Module, incompatible_keys) -> None:
-    """After ``load_state_dict(assign=True)``: the module holds the loaded pieces as new parameters;
+    """After ``load_state_dict(assign=True)``: the module holds the loaded values as new parameters;
     take them back into the flat storage (on their device: a meta-device unit is materialised)."""
-    if any(getattr(mod._parameters.get(name), "_flashfsdp_piece", None) is None
-           for regs in state.registrations for mod, name in regs):
+    if any(mod._parameters.get(name) is not state.unit.sharded_param(i)
+           for i, regs in enumerate(state.registrations) for mod, name in regs):
         state.adopt_module_params()
         close_init_windows([p for g in state.unit.groups for p in g.sharded_params])  # loaded, not to initialise
 
 
-def local_piece_of(value: Any, param: nn.Parameter, name: str) -> torch.Tensor:
-    """This rank's elements of ``value`` for the sharded parameter piece ``param`` (1-D).
-
-    Args:
-        value: a :class:`ShardedPiece` of this rank's range (what ``state_dict()`` and ``dcp.load``
-            give), a ``DTensor`` or plain tensor of the parameter's full shape, or a 1-D tensor already
-            shaped like the piece (an optimizer's own state).
-        param: the piece (carries ``_flashfsdp_full_shape`` and ``_flashfsdp_piece``).
-        name: the key, for errors.
+def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor:
+    """``value`` as a tensor of the sharded parameter ``param``'s kind: a DTensor of its mesh and
+    placements (this rank's rows of a full-shape tensor; another DTensor redistributed), or a
+    plain full-shape tensor where ``param`` is plain (no mesh).
 
     Raises:
         TypeError: ``value`` is not a tensor.
-        ValueError: a ShardedPiece of another range (taken at another world size) or a wrong shape.
+        ValueError: a shape other than the parameter's full shape.
     """
-    full_shape = param._flashfsdp_full_shape
-    start, n = param._flashfsdp_piece.param_start, param.numel()
-    if isinstance(value, ShardedPiece):
-        if not value.describes_same_range(full_shape, start, n):
-            raise ValueError(
-                f"'{name}' is a ShardedPiece of elements [{value.start}, {value.start + value.local().numel()}) of "
-                f"shape {tuple(value.shape)}, but this rank owns elements [{start}, {start + n}) of shape "
-                f"{tuple(full_shape)}: it comes from another world size or model; load checkpoints with "
-                f"torch.distributed.checkpoint into model.state_dict() (dcp.load), or pass full tensors"
-            )
-        return value.local()
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"'{name}' must be a tensor, got {type(value).__name__}")
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    if value.shape == full_shape:
-        return value.reshape(-1)[start : start + n]
-    if value.dim() == 1 and value.shape == param.shape:
-        return value
-    raise ValueError(
-        f"'{name}' has shape {tuple(value.shape)}, but the parameter's full shape is {tuple(full_shape)}: "
-        f"pass the state dict of the same model"
-    )
+    if value.shape != param.shape:
+        raise ValueError(
+            f"'{name}' has shape {tuple(value.shape)}, but the parameter's full shape is {tuple(param.shape)}: "
+            f"pass the state dict of the same model"
+        )
+    if not is_dtensor(param):
+        return value.full_tensor() if is_dtensor(value) else value
+    if is_dtensor(value):
+        if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
+            return value
+        return value.redistribute(param.device_mesh, param.placements)
+    group = param._flashfsdp_group
+    index = param._flashfsdp_index
+    local = group._chunk_of(value.detach(), index).to(device=param.device)
+    return group.spec.wrap(local, param.shape)

@@ -3,7 +3,7 @@
 ``ShardedGradScaler.unscale_`` sorts its optimizer's gradients with :func:`plan_unscale`:
 
 - a flat group whose reduction divided its whole gradient shard by the current loss scale S
-  (``flashfsdp.runtime.loss_scale``) and whose pieces all belong to this optimizer contributes
+  (``flashfsdp.runtime.loss_scale``) and whose parameters all belong to this optimizer contributes
   the inf/nan flag ``accumulate_grad_shard`` computed in that pass: no gradient is read;
 - every other gradient is divided explicitly (``torch._amp_foreach_non_finite_check_and_unscale_``,
   one read and write): by S when it is still scaled (parameters outside any unit, ignored
@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 
 from flashfsdp.runtime import loss_scale
+from flashfsdp.runtime.sharding_spec import local_of
 
 # The key of gradients still multiplied by the loss scale (divided by it as torch does).
 SCALED = "scaled"
@@ -75,7 +76,8 @@ def _sort_group(plan: UnscalePlan, group, mine: list[torch.Tensor], scale: float
     for i, p in enumerate(group.sharded_params):
         if p.grad is None:
             continue
-        if applied is not None and p.grad.data_ptr() == views[i].data_ptr() and p.grad.numel() == views[i].numel():
+        grad = local_of(p.grad)
+        if applied is not None and grad.data_ptr() == views[i].data_ptr() and grad.numel() == views[i].numel():
             fused.append(p)
         else:
             scaled.append(p)

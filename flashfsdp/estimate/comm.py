@@ -87,7 +87,7 @@ def step_volume(units: list[UnitSpec], all_gathers: list[tuple[str, str, int]], 
     sent = 0.0
     for name, phase, ranks in all_gathers:
         unit = by_name[name]
-        nbytes = unit.all_gather_bytes(all_gather_dtype) if ranks == shard_group else unit.unsharded_bytes()
+        nbytes = unit.all_gather_bytes(all_gather_dtype if ranks == shard_group else None)
         gathered[phase] += nbytes
         sent += ring_sent(nbytes, ranks, "all_gather")
     reduce_scatter = sum(u.reduce_scatter_bytes() for u in units)

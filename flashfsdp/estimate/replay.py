@@ -94,11 +94,15 @@ class StepWalk:
         self.phase = "forward"
 
     # ---------------------------------------------------------------- holdings
-    def _note(self) -> None:
+    def _note(self, landing: str | None = None) -> None:
+        """Record the holdings now; ``landing``: a unit whose all-gather lands now (its gathered
+        buffer alive until copy-out, as the prefetched units' are)."""
         res, units = self.result, self.units
         unsharded = [n for n, s in self.state.items() if s == "unsharded"]
+        in_flight = set(self.prefetched) | ({landing} if landing else set())
         params = sum(units[n].unsharded_bytes() for n in unsharded) + sum(
-            units[n].unsharded_bytes() // self.settings[n].post_forward_size for n in self.slices)
+            units[n].secondary_bytes(self.settings[n].post_forward_size) for n in self.slices) + sum(
+            units[n].gathered_bytes() for n in in_flight)
         grads = sum(units[n].unsharded_grad_bytes() for n in self.grads)
         buffers = sum(units[n].reduce_buffer_bytes() for n in self.pending)
         if params > res.params_peak:
@@ -115,7 +119,7 @@ class StepWalk:
         k = self.settings[name].post_forward_size if name in self.slices else None
         self.result.all_gathers.append((name, self.phase, k or self.world_size))
         self.state[name] = "unsharded"
-        self._note()
+        self._note(landing=name)
 
     def reshard(self, name: str, to_secondary: bool = False) -> None:
         """Free the unsharded parameters (keeping the 1/k slice with ``to_secondary``; a slice

@@ -1,8 +1,8 @@
 """The units of a model as the runtime would build them, from parameter shapes alone.
 
 ``fully_shard`` groups a unit's parameters by (dtype, requires_grad) into flat groups and lays each
-out with ``runtime/layout.py`` (offsets aligned for every dtype the group uses, padded to a multiple
-of W·align, see ``runtime/unit.py``). Here the same layout code is applied to the shapes of a model
+out with ``runtime/layout.py`` (FSDP2's dim-0 chunks of every parameter, packed per rank at offsets
+aligned for every dtype the group uses, see ``runtime/unit.py``). Here the same layout code is applied to the shapes of a model
 that may live on the meta device: nothing is allocated.
 """
 
@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from flashfsdp.runtime.layout import FlatLayout, align_elements
+from flashfsdp.runtime.layout import ShardLayout, align_elements
 from flashfsdp.runtime.quantized_gather import group_all_gather_nbytes
 
 
@@ -23,7 +23,7 @@ class GroupSpec:
     """One flat group of a unit (what a ``FlatParam`` holds), in elements and bytes per element.
 
     Attributes:
-        layout: the group's flat layout over the shard group (T = W·S elements).
+        layout: the group's layout over the shard group (S elements per rank, W·S gathered).
         dtype_bytes: bytes per element of the original dtype (master shard and gradient shard).
         param_bytes: bytes per element of ``param_dtype`` (the unsharded buffer).
         reduce_bytes: bytes per element of ``reduce_dtype`` (gradient pack and reduce-scatter).
@@ -31,7 +31,7 @@ class GroupSpec:
         floating: whether ``param_dtype`` is floating (only such groups are all-gathered in int8).
     """
 
-    layout: FlatLayout
+    layout: ShardLayout
     dtype_bytes: int
     param_bytes: int
     reduce_bytes: int
@@ -39,22 +39,16 @@ class GroupSpec:
     floating: bool = True
 
     def busiest_rank_elements(self) -> int:
-        """Parameter elements (padding excluded) of the rank that owns the most: the size of its
-        local pieces, which is what an optimizer keeps state for."""
-        lay = self.layout
-        S, gaps = lay.shard_size, []
-        cursor = 0
-        for off, n in zip(lay.offsets, lay.numels):
-            if off > cursor:
-                gaps.append((cursor, off))
-            cursor = off + n
-        gaps.append((cursor, lay.total))
-        padding: dict[int, int] = {}
-        for lo, hi in gaps:
-            for rank in range(lo // S, min(lay.world_size, -(-hi // S))):
-                padding[rank] = padding.get(rank, 0) + max(0, min(hi, (rank + 1) * S) - max(lo, rank * S))
-        least = 0 if len(padding) < lay.world_size else min(padding.values())
-        return S - least
+        """Parameter elements (padding excluded) of the rank that holds the most: the size of its
+        local chunks, which is what a stock optimizer keeps state for (rank 0: FSDP2's chunks
+        are full up to the last rank that holds rows)."""
+        return sum(self.layout.local_numel(0, i) for i in range(len(self.layout.shapes)))
+
+    @property
+    def gathered_bytes(self) -> int:
+        """The gathered buffer an all-gather lands in before copy-out (0 where the layout is
+        zero-copy and it is the unsharded buffer itself)."""
+        return 0 if self.layout.zero_copy else self.layout.gathered_size * self.param_bytes
 
 
 @dataclass(frozen=True)
@@ -73,8 +67,18 @@ class UnitSpec:
         return self._sum(lambda g: sum(g.layout.numels))
 
     def unsharded_bytes(self) -> int:
-        """The unsharded buffers: T elements in ``param_dtype`` per group."""
-        return self._sum(lambda g: g.layout.total * g.param_bytes)
+        """The unsharded buffers: the unsharded layout's elements in ``param_dtype`` per group."""
+        return self._sum(lambda g: g.layout.unsharded_size * g.param_bytes)
+
+    def gathered_bytes(self) -> int:
+        """The gathered buffers alive besides the unsharded ones from an all-gather's issue to its
+        copy-out (``GroupSpec.gathered_bytes``)."""
+        return self._sum(lambda g: g.gathered_bytes)
+
+    def secondary_bytes(self, parts: int) -> int:
+        """The slice a rank keeps after forward when it reshards to groups of ``parts`` ranks:
+        1/parts of the gathered layout per group."""
+        return self._sum(lambda g: g.layout.gathered_size // parts * g.param_bytes)
 
     def all_gather_bytes(self, all_gather_dtype: torch.dtype | None) -> int:
         """Bytes one all-gather of the unit writes over its shard group: the unsharded buffers, or
@@ -96,12 +100,13 @@ class UnitSpec:
         return self._sum(lambda g: sum(g.layout.numels) * g.param_bytes, trainable_only=True)
 
     def reduce_buffer_bytes(self) -> int:
-        """One reduction's buffers: the packed input (T) and the reduced shard (S) in ``reduce_dtype``."""
-        return self._sum(lambda g: (g.layout.total + g.layout.shard_size) * g.reduce_bytes, trainable_only=True)
+        """One reduction's buffers: the packed input (W·S) and the reduced shard (S) in ``reduce_dtype``."""
+        return self._sum(lambda g: (g.layout.gathered_size + g.layout.shard_size) * g.reduce_bytes,
+                         trainable_only=True)
 
     def reduce_scatter_bytes(self) -> int:
-        """The reduce-scatter's input (T elements in ``reduce_dtype`` per trainable group)."""
-        return self._sum(lambda g: g.layout.total * g.reduce_bytes, trainable_only=True)
+        """The reduce-scatter's input (W·S elements in ``reduce_dtype`` per trainable group)."""
+        return self._sum(lambda g: g.layout.gathered_size * g.reduce_bytes, trainable_only=True)
 
     def reduced_shard_bytes(self) -> int:
         """The reduce-scatter's output (S elements in ``reduce_dtype`` per trainable group): what
@@ -109,12 +114,12 @@ class UnitSpec:
         return self._sum(lambda g: g.layout.shard_size * g.reduce_bytes, trainable_only=True)
 
     def optimizer_state_bytes(self, buffers: int) -> int:
-        """``buffers`` tensors of the size and dtype of the busiest rank's trainable local pieces
+        """``buffers`` tensors of the size and dtype of the busiest rank's trainable local chunks
         (Adam's two moments, SGD's momentum)."""
         return self._sum(lambda g: buffers * g.busiest_rank_elements() * g.dtype_bytes, trainable_only=True)
 
     def trainable_params(self) -> int:
-        """Number of trainable parameters (each has one local piece, maybe empty, on every rank)."""
+        """Number of trainable parameters (each has one local chunk, maybe empty, on every rank)."""
         return self._sum(lambda g: len(g.layout.numels), trainable_only=True)
 
 
@@ -179,14 +184,14 @@ def build_units(model: nn.Module, units: Sequence[nn.Module | str] | None, world
 def unit_spec(name: str, params: Sequence[torch.Tensor], world_size: int, param_dtype: torch.dtype | None,
               reduce_dtype: torch.dtype | None) -> UnitSpec:
     """The flat groups ``ShardedUnit`` makes of ``params`` (see ``runtime/unit.py``)."""
-    keys: dict[tuple[torch.dtype, bool], list[int]] = {}
+    keys: dict[tuple[torch.dtype, bool], list[tuple[int, ...]]] = {}
     for p in params:
-        keys.setdefault((p.dtype, p.requires_grad), []).append(p.numel())
+        keys.setdefault((p.dtype, p.requires_grad), []).append(tuple(p.shape) or (1,))
     groups = []
-    for (dtype, trainable), numels in keys.items():
+    for (dtype, trainable), shapes in keys.items():
         pdt = param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
         rdt = reduce_dtype or pdt
         align = align_elements([dtype.itemsize, pdt.itemsize, rdt.itemsize])
-        groups.append(GroupSpec(FlatLayout.build(numels, world_size, align), dtype.itemsize, pdt.itemsize,
+        groups.append(GroupSpec(ShardLayout.build(shapes, world_size, align), dtype.itemsize, pdt.itemsize,
                                 rdt.itemsize, trainable, pdt.is_floating_point))
     return UnitSpec(name, tuple(groups))

@@ -1,11 +1,11 @@
 """FSDP1's ``optim_state_dict`` / ``optim_state_dict_to_load``: optimizer state keyed by the
 unwrapped model's parameter names, full or sharded as the model's ``state_dict_type`` says.
 
-Both go through the optimizer state dicts flashfsdp already gives
-(``bindings/optim_state_dict.py``: torch's DSD keyed by ``model.named_parameters()`` names, each
-per-element state tensor a ``ShardedPiece``, or full tensors under DSD's full getter); here the
-names lose their ``_fsdp_wrapped_module.`` segments, and loading maps them back to the optimizer's
-parameters and cuts every value to this rank's piece (``state_dict.local_piece_of``).
+Both go through torch's DSD keyed by ``model.named_parameters()`` names (each per-element state
+tensor of a sharded parameter a DTensor of its placements, or full tensors with DSD's full
+options); here the names lose their ``_fsdp_wrapped_module.`` segments, and loading maps them back
+to the optimizer's parameters and turns every value into a DTensor of its parameter's placements
+(``state_dict.sharded_value_of``: a full tensor's rows for this rank).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from flashfsdp.bindings.agreement import global_rank
-from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict, install_optimizer_hooks
-from flashfsdp.bindings.state_dict import local_piece_of
+from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict
+from flashfsdp.bindings.state_dict import sharded_value_of
 
 from .api import StateDictType
 from .state_dict_type import clean_key
@@ -36,14 +36,13 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, wrapper_cls
     """The optimizer's state keyed by clean parameter names (collective).
 
     FULL_STATE_DICT: full tensors (only rank 0 keeps them with ``rank0_only``; on the CPU with
-    ``offload_to_cpu``). SHARDED_STATE_DICT: ``ShardedPiece`` values, as ``model.state_dict()``.
+    ``offload_to_cpu``). SHARDED_STATE_DICT: DTensor values, as ``model.state_dict()``.
     """
     settings = _settings(model, wrapper_cls)
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
         from torch.distributed.checkpoint import state_dict as dsd  # noqa: PLC0415
 
         config = settings.optim_state_dict_config
-        install_optimizer_hooks(optim)
         osd = dsd.get_optimizer_state_dict(model, optim, options=dsd.StateDictOptions(full_state_dict=True))
         if config.rank0_only and global_rank() != 0:
             return {}
@@ -70,8 +69,8 @@ def _to_cpu(tree):
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any],
                              wrapper_cls) -> dict[str, Any]:
     """``optim_state_dict`` (keyed by clean names, full or sharded) as ``optim.load_state_dict``
-    takes it: keyed by the optimizer's parameter positions, each per-element state cut to this
-    rank's piece. Under FULL_STATE_DICT with ``rank0_only`` rank 0's dict is broadcast first.
+    takes it: keyed by the optimizer's parameter positions, each per-element state a DTensor of its
+    parameter's placements. Under FULL_STATE_DICT with ``rank0_only`` rank 0's dict is broadcast first.
 
     Raises:
         ValueError: not a mapping with "state" and "param_groups"; param_groups that do not match
@@ -107,11 +106,11 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
 
 
 def _local(value, param: nn.Parameter, name: str):
-    """This rank's piece of a per-element state value of a sharded parameter, in memory of its own
-    (a loaded ``step`` must not alias the saved optimizer's, which steps it in place)."""
+    """A per-element state value of a sharded parameter as a DTensor of its placements, in memory
+    of its own (a loaded ``step`` must not alias the saved optimizer's, which steps it in place)."""
     if not isinstance(value, torch.Tensor):
         return value
-    if value.dim() == 0 or not hasattr(param, "_flashfsdp_piece"):
+    if value.dim() == 0 or not hasattr(param, "_flashfsdp_group"):
         return value.clone()
-    piece = local_piece_of(value, param, name)
-    return piece.clone() if piece is not value else piece
+    sharded = sharded_value_of(value, param, name)
+    return sharded.clone() if sharded is value else sharded

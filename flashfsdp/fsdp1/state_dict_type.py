@@ -9,9 +9,9 @@ pre-hook puts it back before the wrapped module's hooks see the keys.
 FULL_STATE_DICT               full tensors (``flashfsdp.get_full_state_dict``: unit by unit, on rank 0
                               only with ``rank0_only``, on the CPU with ``offload_to_cpu``); loading
                               takes full tensors on every rank
-SHARDED_STATE_DICT            ``ShardedPiece`` values (the parameter's full shape around this rank's
-                              1-D piece; FSDP1 gives ``ShardedTensor``): what ``dcp.save`` saves and
-                              ``dcp.load`` reshards; loading takes them (or full tensors)
+SHARDED_STATE_DICT            DTensor values (each parameter's dim-0 chunks, as FSDP1 gives with
+                              ``_use_dtensor=True``): what ``dcp.save`` saves and ``dcp.load``
+                              reshards; loading takes them (or full tensors)
 LOCAL_STATE_DICT              refused (FSDP1's flat-parameter shards; flat units have no such key)
 ============================  =======================================================================
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from flashfsdp.bindings.full_state_dict import get_full_state_dict
-from flashfsdp.bindings.sharded_tensor import ShardedPiece
+from flashfsdp.runtime.sharding_spec import is_dtensor
 
 from .api import (
     FullOptimStateDictConfig,
@@ -64,8 +64,7 @@ def make_settings(state_dict_type, state_dict_config=None, optim_state_dict_conf
     """The settings of FSDP1's ``set_state_dict_type`` arguments (default configs filled in).
 
     Raises:
-        NotImplementedError: LOCAL_STATE_DICT (flat units keep no flat-parameter shard to give), or
-            ``_use_dtensor=True`` (sharded values are ``ShardedPiece``).
+        NotImplementedError: LOCAL_STATE_DICT (flat units keep no flat-parameter shard to give).
         TypeError: not a StateDictType, or a config of another type than the state-dict type's.
     """
     if not isinstance(state_dict_type, StateDictType):
@@ -81,9 +80,6 @@ def make_settings(state_dict_type, state_dict_config=None, optim_state_dict_conf
     for config, cls in ((state_dict_config, model_cls), (optim_state_dict_config, optim_cls)):
         if type(config) is not cls:
             raise TypeError(f"state_dict_type: {state_dict_type} takes a {cls.__name__}, got {type(config).__name__}")
-        if getattr(config, "_use_dtensor", False):
-            raise NotImplementedError("state_dict_type: _use_dtensor=True is not supported: sharded values are "
-                                      "flashfsdp ShardedPieces, which torch.distributed.checkpoint saves and reshards")
     return StateDictSettings(state_dict_type, state_dict_config, optim_state_dict_config)
 
 
@@ -156,8 +152,8 @@ def _post_state_dict(wrapper, state_dict, prefix: str, local_metadata) -> None:
     for key, value in items:
         if key.startswith(own):
             key = prefix + key[len(own):]
-            if isinstance(value, ShardedPiece) and offload:
-                value = ShardedPiece(value.local().cpu(), value.shape, value.start, fqn=key)
+            if is_dtensor(value) and offload:
+                value = value.cpu()
             elif key in dtypes and isinstance(value, torch.Tensor):
                 value = value.to(dtypes[key])
         state_dict[key] = value

@@ -1,11 +1,11 @@
 """``summon_full_params``: a wrapper's full parameters inside a context, written back on exit.
 
 Each unit's master shards (original dtype, not ``param_dtype``) are all-gathered into one
-T-element buffer per flat group (``full_state_dict.gather_flat``, one collective per group); the
-module's registrations then hold full-shape parameters that are views into it (on the CPU with
-``offload_to_cpu``), so changes to them land in the buffer. On exit, with ``writeback``, this
-rank's range of the buffer is copied back into the shards; the registrations get back what they
-held. With ``rank0_only`` the other ranks take part in the all-gathers and keep their shards.
+W·S-element buffer per flat group (``full_state_dict.gather_flat``, one collective per group) and
+copied out into one buffer of the unsharded layout; the module's registrations then hold
+full-shape parameters that are views into it (on the CPU with ``offload_to_cpu``), so changes to
+them land in the buffer. On exit, with ``writeback``, this rank's rows of each parameter are
+copied back into the shards; the registrations get back what they held. With ``rank0_only`` the other ranks take part in the all-gathers and keep their shards.
 """
 
 from __future__ import annotations
@@ -97,10 +97,10 @@ def summon_state(state, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
 
 
 def _gather(unit, group, shard: torch.Tensor, target: torch.device | None) -> torch.Tensor | None:
-    """The T-element gathered flat buffer of ``shard`` (laid out like ``group``) on ``target``."""
-    full = torch.empty(group.layout.total, dtype=shard.dtype, device=unit.device)
+    """``shard`` (laid out like ``group``'s shard) of every rank, in the unsharded layout on ``target``."""
+    full = torch.empty(group.layout.gathered_size, dtype=shard.dtype, device=unit.device)
     gather_flat(unit, group, shard, full)
-    return None if target is None else full.to(target)
+    return None if target is None else group.gathered_to_unsharded(full).to(target)
 
 
 def _install(state, fulls: list) -> None:
@@ -118,10 +118,9 @@ def _restore(state, saved: list) -> None:
 
 @torch.no_grad()
 def _write_back(state, buffers: dict) -> None:
-    """Copy this rank's range of each gathered buffer into its group's master shard."""
+    """Copy this rank's rows of each summoned parameter into its group's master shard."""
     for group in state.unit.groups:
         flat = buffers.get(id(group))
         if flat is not None:
-            lo, hi = group.shard_range
-            group.sharded_flat.copy_(flat[lo:hi])
+            group.unsharded_to_local(flat.to(group.sharded_flat.device), group.sharded_flat)
     shards_written()

@@ -19,6 +19,7 @@ import torch
 
 from flashfsdp._torch_private import foreach_mul_
 from flashfsdp.bindings.clip_grad import total_grad_norm, unit_communicators
+from flashfsdp.runtime.sharding_spec import local_of
 
 
 def check_max_grad_norm(owner: str, max_grad_norm) -> float | None:
@@ -104,5 +105,6 @@ class ClipInStepMixin:
         """Multiply ``grads`` by the coefficient in place (non-fused paths)."""
         if self._clip_coef is None or not grads:
             return
+        grads = [local_of(g) for g in grads]  # (DTensor gradients: their local chunks, in place)
         coef = self._clip_coef.to(grads[0].device)
         foreach_mul_(grads, coef.to(grads[0].dtype) if len({g.dtype for g in grads}) == 1 else coef)

@@ -1,21 +1,23 @@
 """Flat runs: the parameters of one optimizer group that can be stepped as one contiguous tensor.
 
-A flashfsdp unit's sharded parameters are 1-D views into its flat group's master shard
-(``FlatParam.sharded_flat``, see ``runtime/flat_param.py``) and, after a reduction, their ``.grad``
-fields are views into the flat gradient shard laid out the same way. Parameters ``i`` and ``i + 1``
-of one flat group are separated by alignment padding only, so a *run* of consecutive pieces can be
-stepped as the single slice ``sharded_flat[start_i : end_j]`` (the padding is stepped too: its
-gradient is zero, so its values and state stay zero, and nobody reads it).
+A flashfsdp unit's sharded parameters are DTensors whose local tensors (this rank's dim-0 chunks)
+are views into its flat group's master shard (``FlatParam.sharded_flat``, see
+``runtime/flat_param.py``) and, after a reduction, their ``.grad`` fields are DTensors over views
+into the flat gradient shard laid out the same way. The chunks of parameters ``i`` and ``i + 1`` of
+one flat group are separated by padding only, so a *run* of consecutive parameters can be stepped
+as the single slice ``sharded_flat[start_i : end_j]`` (the padding is stepped too: its gradient is
+zero, so its values and state stay zero, and nobody reads it).
 
-This module finds the runs from the tensors themselves (storage, offsets, strides), so nothing is
-assumed that was not checked: a piece joins a run only if it is contiguous, carries
-``_flashfsdp_piece``, its parameter index follows the previous one's, and its gradient lies at the
-same distance from the parameter as the previous gradient does (one flat gradient buffer). Each
-run also needs its members to be in the same state "age" (steps taken), given by the optimizer.
+This module finds the runs from the local tensors themselves (storage, offsets, strides), so
+nothing is assumed that was not checked: a parameter joins a run only if its local tensor is
+contiguous, it carries ``_flashfsdp_index`` (a flashfsdp parameter), its index follows the previous
+one's, and its gradient lies at the same distance from it as the previous gradient does (one flat
+gradient buffer). Each run also needs its members to be in the same state "age" (steps taken),
+given by the optimizer.
 
-State tensors of pieces are views into one flat buffer per master shard and state key
-(:class:`FlatStates`), so that a run's state is one slice too and ``state_dict()`` still holds one
-tensor per parameter, as torch's optimizers do.
+State tensors are views into one flat buffer per master shard and state key (:class:`FlatStates`),
+so that a run's state is one slice too, while ``state_dict()`` still holds one tensor per parameter
+— a DTensor of the parameter's placements, as torch's optimizers keep over FSDP2's parameters.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from typing import Callable, Sequence
 
 import torch
 
-_PIECE = "_flashfsdp_piece"  # set on every sharded piece by runtime/flat_param.py
+from flashfsdp.runtime.sharding_spec import local_of
+
+_INDEX = "_flashfsdp_index"  # set on every sharded parameter by runtime/flat_param.py
+
+
+def _index(p: torch.Tensor) -> int:
+    return getattr(p, _INDEX)
 
 
 @dataclass
@@ -45,15 +53,16 @@ class Run:
     shift: int = 0
 
     def grad(self) -> torch.Tensor:
-        """The run's range of the flat gradient shard, built from the gradients the pieces hold now
-        (not kept: a gradient shard freed by ``zero_grad`` must not stay alive in a plan)."""
-        g = self.params[0].grad
+        """The run's range of the flat gradient shard, built from the gradients the parameters hold
+        now (not kept: a gradient shard freed by ``zero_grad`` must not stay alive in a plan)."""
+        g = local_of(self.params[0].grad)
         return g.new_empty(0).set_(g.untyped_storage(), self.lo + self.shift, self.flat.shape, (1,))
 
 
 def signature(params: Sequence[torch.Tensor]) -> tuple:
-    """What a plan of ``params`` depends on: where each piece and its gradient are (-1: no gradient)."""
-    return tuple((p.data_ptr(), -1 if p.grad is None else p.grad.data_ptr()) for p in params)
+    """What a plan of ``params`` depends on: where each local tensor and its gradient's are (-1: no
+    gradient)."""
+    return tuple((local_of(p).data_ptr(), -1 if p.grad is None else local_of(p.grad).data_ptr()) for p in params)
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -62,40 +71,43 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 
 def is_flat_candidate(p: torch.Tensor) -> bool:
-    """Whether ``p`` (with a gradient) may join a run: a flashfsdp piece (also an empty one), real
-    floating point, contiguous, with a dense contiguous gradient of its own dtype, device and size.
+    """Whether ``p`` (with a gradient) may join a run: a flashfsdp parameter (also one whose chunk
+    is empty) whose local tensor is real floating point and contiguous, with a dense contiguous
+    gradient chunk of its own dtype, device and size.
 
     Raises:
-        RuntimeError: a piece's gradient has another number of elements than the piece (a
+        RuntimeError: a parameter's gradient chunk has another number of elements than its own (a
             ``.grad`` replaced by a tensor of the wrong shape), naming the parameter.
     """
-    g = p.grad
-    if not hasattr(p, _PIECE):
+    if not hasattr(p, _INDEX):
         return False
-    if g.numel() != p.numel():
+    local, g = local_of(p), local_of(p.grad)
+    if g.numel() != local.numel():
         raise RuntimeError(
             f"flashfsdp.optim: the gradient of {getattr(p, '_flashfsdp_fqn', 'a sharded parameter')} has "
-            f"{g.numel()} elements but its sharded piece has {p.numel()}; a .grad assigned by hand must "
-            f"have the piece's shape {tuple(p.shape)}")
-    return (p.is_floating_point() and not p.is_complex() and p.is_contiguous() and not g.is_sparse
-            and g.is_contiguous() and g.dtype == p.dtype and g.device == p.device)
+            f"{g.numel()} local elements but the parameter's chunk has {local.numel()}; a .grad assigned by hand "
+            f"must have the parameter's shape {tuple(p.shape)} and placements")
+    return (local.is_floating_point() and not local.is_complex() and local.is_contiguous() and not g.is_sparse
+            and g.is_contiguous() and g.dtype == local.dtype and g.device == local.device)
 
 
 def _joins(run: Run, p: torch.Tensor, age: Callable[[torch.Tensor], object]) -> bool:
     last = run.params[-1]
-    return (_storage_key(p) == _storage_key(last)
-            and getattr(p, _PIECE).param_index == getattr(last, _PIECE).param_index + 1
-            and p.storage_offset() >= last.storage_offset() + last.numel()
-            and _storage_key(p.grad) == _storage_key(last.grad)
-            and p.grad.storage_offset() - p.storage_offset() == last.grad.storage_offset() - last.storage_offset()
+    a, b = local_of(p), local_of(last)
+    ga, gb = local_of(p.grad), local_of(last.grad)
+    return (_storage_key(a) == _storage_key(b)
+            and _index(p) == _index(last) + 1
+            and a.storage_offset() >= b.storage_offset() + b.numel()
+            and _storage_key(ga) == _storage_key(gb)
+            and ga.storage_offset() - a.storage_offset() == gb.storage_offset() - b.storage_offset()
             and age(p) == age(last))
 
 
 def _close(run: Run) -> Run:
-    first, last = run.params[0], run.params[-1]
+    first, last = local_of(run.params[0]), local_of(run.params[-1])
     lo, hi = first.storage_offset(), last.storage_offset() + last.numel()
     run.flat = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
-    run.lo, run.shift = lo, first.grad.storage_offset() - lo
+    run.lo, run.shift = lo, local_of(run.params[0].grad).storage_offset() - lo
     return run
 
 
@@ -108,15 +120,15 @@ def plan_runs(params: Sequence[torch.Tensor], age: Callable[[torch.Tensor], obje
         age: a parameter's state age (e.g. Adam's step count); only equal ages share a run.
 
     Returns:
-        ``(runs, rest)``: the runs, and the parameters to step one by one (not flashfsdp pieces,
-        sparse, complex or non-contiguous ones).
+        ``(runs, rest)``: the runs, and the parameters to step one by one (not flashfsdp
+        parameters, sparse, complex or non-contiguous ones).
     """
     candidates, rest = [], []
     for p in params:
         (candidates if is_flat_candidate(p) else rest).append(p)
-    # Empty pieces (parameters this rank holds none of) sit at their neighbours' offsets: they join
-    # runs (torch steps them too, their step counts must advance) in parameter order.
-    candidates.sort(key=lambda p: (_storage_key(p)[0], p.storage_offset(), getattr(p, _PIECE).param_index))
+    # Empty chunks (parameters this rank holds no rows of) sit at their neighbours' offsets: they
+    # join runs (torch steps them too, their step counts must advance) in parameter order.
+    candidates.sort(key=lambda p: (_storage_key(local_of(p))[0], local_of(p).storage_offset(), _index(p)))
     runs: list[Run] = []
     for p in candidates:
         if runs and _joins(runs[-1], p, age):
@@ -127,10 +139,11 @@ def plan_runs(params: Sequence[torch.Tensor], age: Callable[[torch.Tensor], obje
 
 
 class FlatStates:
-    """Optimizer state tensors of pieces as views into one flat buffer per master shard and key.
+    """Optimizer state tensors of parameters as views into one flat buffer per master shard and key.
 
     A buffer spans the whole storage of the master shard (S elements, zeros when created), so a
-    piece's state is ``buffer[piece.storage_offset() : ... + numel]`` and a run's is one slice.
+    parameter's state is (a DTensor of its placements over) ``buffer[local.storage_offset() : ...
+    + numel]`` and a run's is one slice.
     Step counters (Adam's ``step``) are 0-d views into one vector per shard indexed by parameter
     index, so a run's counters are one slice too and advance with one operation.
     Buffers of a shard no optimizer group steps any more are dropped at the next :meth:`retain`.
@@ -141,33 +154,38 @@ class FlatStates:
 
     def buffer(self, p: torch.Tensor, key: str) -> torch.Tensor:
         """The flat ``key`` buffer of ``p``'s master shard (allocated with zeros on first use)."""
-        skey = _storage_key(p) + (key,)
+        local = local_of(p)
+        skey = _storage_key(local) + (key,)
         buf = self._buffers.get(skey)
         if buf is None:
-            numel = p.untyped_storage().nbytes() // p.element_size()
-            buf = self._buffers[skey] = torch.zeros(numel, dtype=p.dtype, device=p.device)
+            numel = local.untyped_storage().nbytes() // local.element_size()
+            buf = self._buffers[skey] = torch.zeros(numel, dtype=local.dtype, device=local.device)
         return buf
 
     def view(self, p: torch.Tensor, key: str) -> torch.Tensor:
-        """``p``'s slice of its ``key`` buffer, shaped like ``p``."""
-        o = p.storage_offset()
-        return self.buffer(p, key)[o : o + p.numel()].view_as(p)
+        """``p``'s slice of its ``key`` buffer, shaped like its local tensor (plain)."""
+        local = local_of(p)
+        o = local.storage_offset()
+        return self.buffer(p, key)[o : o + local.numel()].view_as(local)
 
     def run_view(self, run: Run, key: str) -> torch.Tensor:
         """The run's slice of the ``key`` buffer (same range as ``run.flat``)."""
         return self.buffer(run.params[0], key)[run.lo : run.lo + run.flat.numel()]
 
     def adopt(self, p: torch.Tensor, state: dict, key: str) -> None:
-        """Make ``state[key]`` (a tensor like ``p``, or absent: zeros) ``p``'s view, copying values
-        over if it is another tensor (a state dict loaded from elsewhere)."""
+        """Make ``state[key]`` (a tensor like ``p``, or absent: zeros) ``p``'s view — a DTensor of
+        ``p``'s placements over it where ``p`` is one —, copying values over if it is another tensor
+        (a state dict loaded from elsewhere)."""
         view = self.view(p, key)
         value = state.get(key)
         if value is None:
             view.zero_()
-        elif (value.data_ptr() != view.data_ptr()
-              or value.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()):
-            view.copy_(value.reshape(view.shape))
-        state[key] = view
+        else:
+            local = local_of(value)
+            if (local.data_ptr() != view.data_ptr()
+                    or local.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()):
+                view.copy_(local.reshape(view.shape))
+        state[key] = p._flashfsdp_group.spec.wrap(view, p.shape)
 
     def reserve_steps(self, runs: Sequence[Run], device_of, dtype: torch.dtype) -> None:
         """Make every shard's step-counter vector long enough for ``runs`` (before any
@@ -175,18 +193,18 @@ class FlatStates:
         over by :meth:`adopt_step`). ``device_of(param)`` gives where a piece's counter lives."""
         need: dict[tuple, int] = {}
         for run in runs:
-            key = _storage_key(run.params[0]) + ("step", device_of(run.params[0]), dtype)
-            need[key] = max(need.get(key, 0), getattr(run.params[-1], _PIECE).param_index + 1)
+            key = _storage_key(local_of(run.params[0])) + ("step", device_of(run.params[0]), dtype)
+            need[key] = max(need.get(key, 0), _index(run.params[-1]) + 1)
         for key, n in need.items():
             buf = self._buffers.get(key)
             if buf is None or buf.numel() < n:
                 self._buffers[key] = torch.zeros(n, dtype=dtype, device=key[5])
 
     def run_steps(self, run: Run, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The step counters of the run's pieces: one per piece, consecutive (its pieces' parameter
-        indices are), 0-d views of which are the pieces' ``state["step"]``."""
-        buf = self._buffers[_storage_key(run.params[0]) + ("step", device, dtype)]
-        first = getattr(run.params[0], _PIECE).param_index
+        """The step counters of the run's parameters: one each, consecutive (their indices are),
+        0-d views of which are the parameters' ``state["step"]``."""
+        buf = self._buffers[_storage_key(local_of(run.params[0])) + ("step", device, dtype)]
+        first = _index(run.params[0])
         return buf[first : first + len(run.params)]
 
     def adopt_step(self, p: torch.Tensor, state: dict, counter: torch.Tensor) -> None:
@@ -200,5 +218,5 @@ class FlatStates:
 
     def retain(self, runs: Sequence[Run]) -> None:
         """Drop the buffers of shards that none of ``runs`` uses (after a re-home or re-wrap)."""
-        live = {_storage_key(r.params[0]) for r in runs}
+        live = {_storage_key(local_of(r.params[0])) for r in runs}
         self._buffers = {k: v for k, v in self._buffers.items() if k[:4] in live}

@@ -95,7 +95,8 @@ class SGD(ClipInStepMixin, FlatStepMixin, torch.optim.SGD):
             if not on:  # a buffer this step started: into the flat buffer, the pieces' state its views
                 states.run_view(run, "momentum_buffer").copy_(buf)
                 for p in run.params:
-                    self.state[p]["momentum_buffer"] = states.view(p, "momentum_buffer")
+                    self.state[p]["momentum_buffer"] = p._flashfsdp_group.spec.wrap(
+                        states.view(p, "momentum_buffer"), p.shape)
         plan.stale = True
 
     def _sgd(self, group: dict, params, grads, buffers, has_sparse: bool, fused, foreach) -> None:

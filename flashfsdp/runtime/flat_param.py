@@ -1,22 +1,29 @@
-"""FlatParam: one flat group of a unit — sharded master storage, unsharded buffer, views, pieces.
+"""FlatParam: one flat group of a unit — the shard, its DTensor parameters, the unsharded buffers.
 
 A unit's parameters are grouped by (original dtype, requires_grad at ``fully_shard`` time); each
 group is one FlatParam (almost always a unit has exactly one). ``requires_grad_`` may change a
-parameter's flag later: the sharded piece carries it, :meth:`FlatParam.sync_requires_grad` gives it
-to the unsharded parameter before each forward, and a group reduces if any of its parameters is
-trainable (a frozen one reduces as zeros and gets no ``.grad``). Per rank it holds:
+parameter's flag later: the sharded parameter carries it, :meth:`FlatParam.sync_requires_grad`
+gives it to the unsharded parameter before each forward, and a group reduces if any of its
+parameters is trainable (a frozen one is left out of the reduce-scatter and gets no ``.grad``).
+Per rank it holds (``layout.py`` for the offsets):
 
-- ``sharded_flat``: S elements in the original dtype (the master weights of this rank's range).
-- ``sharded_grad``: S elements in the original dtype, allocated at the first gradient.
-- ``sharded_params``: each parameter's local piece as an ``nn.Parameter`` that is a 1-D view into
-  ``sharded_flat`` (possibly empty); these are what ``module.parameters()`` yields outside
-  forward/backward, so stock optimizers step them in place. Each carries ``_flashfsdp_full_shape``,
-  ``_flashfsdp_fqn`` and ``_flashfsdp_piece`` (its range) for state dicts.
-- ``unsharded_flat``: T = W·S elements in ``param_dtype``; its storage is alive only between
-  unshard and reshard. ``unsharded_params`` are ``nn.Parameter`` views
-  ``unsharded_flat[o_i : o_i + n_i].view(shape_i)`` created once: the all-gather writes the
-  parameters in place (zero-copy unshard), and reshard frees only the storage, which unshard
-  re-materialises in place, so tensors autograd saved in forward are valid again in backward.
+- ``sharded_flat``: S elements in the original dtype: this rank's dim-0 chunk of every parameter,
+  padded as FSDP2 pads it, back to back — the master weights, and FSDP2's all-gather input.
+- ``sharded_params``: what ``module.parameters()`` yields outside forward/backward: per parameter
+  an ``nn.Parameter`` holding a DTensor with FSDP2's placements and global shape whose local tensor
+  is a view into ``sharded_flat`` (``sharding_spec.py``), so stock optimizers, ``clip_grad_norm_``,
+  DCP and DSD see what FSDP2 gives them, and an optimizer step writes the shard in place.
+  Each carries ``_flashfsdp_fqn`` and ``_flashfsdp_index`` (its position in the group).
+- ``sharded_grad`` (``grad_shard.py``): S elements laid out as ``sharded_flat``; the DTensor
+  gradients' local tensors are views into it.
+- ``gathered``: W·S elements in ``param_dtype``, rank-major: the all-gather output.
+- ``unsharded_flat``: the unsharded parameters end to end; the module's parameters during
+  forward/backward are views ``unsharded_params`` into it, created once. Copy-out (one
+  ``unflatten`` launch) moves every chunk from ``gathered`` into place; where the layout is
+  zero-copy (one rank, or one parameter filling the shard) ``gathered`` *is* ``unsharded_flat``
+  and nothing is copied. Both buffers' storage is alive only while needed: ``gathered`` until
+  copy-out, ``unsharded_flat`` until reshard, which frees only the storage; unshard
+  re-materialises it in place, so tensors autograd saved in forward are valid again in backward.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from flashfsdp.kernels import flatten, quantize_int8
+from flashfsdp._torch_private import set_dtensor_local
+from flashfsdp.kernels import flatten, quantize_int8, unflatten
 
-from .layout import FlatLayout, LocalPiece
-from .reduce_plan import ReducePlan
+from .grad_shard import GradShard
+from .layout import ShardLayout
+from .sharding_spec import ShardingSpec, is_dtensor, local_of
 
 
 # [Note: stale unsharded parameters]
@@ -48,25 +57,28 @@ def shards_written() -> None:
     _shard_epoch += 1
 
 
-class FlatParam:
+class FlatParam(GradShard):
     """The flat storage of one group of parameters of one unit on one rank.
 
     Args:
-        params: the original full parameters (any shapes, one floating dtype, one requires_grad),
-            identical on every rank; read once to build this rank's shard.
+        params: the original full parameters (any shapes with at least one dimension, one
+            floating dtype, one requires_grad), identical on every rank; read once to cut this
+            rank's chunks.
         fqns: a name per parameter (for errors and state dicts); see :meth:`prefix_fqns`.
-        rank, world_size: this rank and W.
-        param_dtype: dtype of the unsharded buffer (forward/backward compute).
-        device: the compute device: the unsharded buffer and the collectives' buffers live there,
+        rank, world_size: this rank and W (of the group the unit is sharded over).
+        param_dtype: dtype of the unsharded buffers (forward/backward compute).
+        device: the compute device: the unsharded buffers and the collectives' buffers live there,
             and so does the shard unless ``offload``.
         align: element alignment of the layout (see ``layout.align_elements``).
+        spec: how the chunks are shown (``ShardingSpec``: DTensors on a mesh, or plain tensors).
         offload: keep the shard and its gradient in CPU memory (``CPUOffloadPolicy``): copy-in
-            is a host-to-device copy into the unsharded buffer, and a reduced gradient shard is
+            is a host-to-device copy into the gathered buffer, and a reduced gradient shard is
             copied to the host before it is accumulated there; the optimizer steps on the CPU.
         pin_memory: pin the CPU shard and gradient (asynchronous copies; only with CUDA).
 
     Raises:
-        ValueError: if the parameters mix dtypes or requires_grad (group them first).
+        ValueError: if the parameters mix dtypes or requires_grad (group them first), or one is
+            0-dim (FSDP2 shards dim 0).
     """
 
     def __init__(
@@ -79,6 +91,7 @@ class FlatParam:
         param_dtype: torch.dtype,
         device: torch.device,
         align: int,
+        spec: ShardingSpec | None = None,
         offload: bool = False,
         pin_memory: bool = False,
     ):
@@ -94,33 +107,18 @@ class FlatParam:
         self.pin_memory = pin_memory and offload and torch.cuda.is_available()
         self.rank = rank
         self.world_size = world_size
-        self.layout = FlatLayout.build([p.numel() for p in params], world_size, align)
-        self.pieces: list[LocalPiece] = self.layout.local_pieces(rank)
-        S = self.layout.shard_size
-        self._shard_lo = rank * S
-
-        # This rank's shard of the master weights: one flatten launch over the pieces (nothing to
-        # copy from parameters on the meta device: they get values after to_empty, see rehome).
+        self.spec = spec or ShardingSpec(None)
+        self.layout = ShardLayout.build(self.shapes, world_size, align)
+        # This rank's chunks of the master weights (nothing to copy from parameters on the meta
+        # device: they get values after to_empty, see rehome).
         self.sharded_flat = self._new_shard(self.dtype)
-        with torch.no_grad():
-            if self.shard_device.type != "meta":
-                sources = [
-                    p.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel].to(self.shard_device)
-                    for p, pc in zip(params, self.pieces)
-                ]
-                flatten(sources, [pc.shard_start for pc in self.pieces], self.sharded_flat)
-        self.sharded_grad: torch.Tensor | None = None
-        # (squared L2 norm, inf/nan flag, sharded_grad._version) from the last fused accumulation
-        self.grad_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        if self.shard_device.type != "meta":
+            self._fill_shard(self.sharded_flat, [self._chunk_of(p.detach(), i) for i, p in enumerate(params)])
         self.sharded_params = [self._make_sharded_param(i, requires_grad) for i in range(len(params))]
-        # No-sync micro-batches with a reduce_dtype other than param_dtype: gradients summed in
-        # reduce_dtype (T elements) and which parameters got one (see ShardedUnit.accumulate_unsharded_grads).
-        self.unsharded_accum: torch.Tensor | None = None
-        self.accum_had_grad: list[bool] = [False] * len(params)
-        self._reduce_plans: dict[tuple[bool, ...], ReducePlan | None] = {}
-
+        GradShard.__init__(self)
         self._make_unsharded()
 
+    # ---------------------------------------------------------------- the shard
     @property
     def shard_device(self) -> torch.device:
         """Where the shard and its gradient live: the CPU with ``offload``, else the compute device
@@ -134,130 +132,41 @@ class FlatParam:
         make = torch.zeros if zeros else torch.empty
         return make(self.layout.shard_size, dtype=dtype, device=self.shard_device, pin_memory=self.pin_memory)
 
-    def _make_unsharded(self) -> None:
-        """The unsharded buffer and its views: created once (again after :meth:`rehome`), storage
-        freed until the first unshard."""
-        T = self.layout.total
-        self.unsharded_flat = torch.empty(T, dtype=self.param_dtype, device=self.device)
-        self.unsharded_params = [
-            nn.Parameter(self.unsharded_flat[o : o + n].view(shape), requires_grad=p.requires_grad)
-            for o, n, shape, p in zip(self.layout.offsets, self.layout.numels, self.shapes, self.sharded_params)
-        ]
-        self._unsharded_nbytes = T * self.unsharded_flat.element_size()
-        self.free_unsharded()
+    def local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s chunk of an S-element buffer laid out like the shard (its local shape)."""
+        o, n = self.layout.offsets[i], self.layout.local_numel(self.rank, i)
+        return flat[o : o + n].view(self.layout.local_shape(self.rank, i))
 
-    def rehome_needed(self, pieces: Sequence[torch.Tensor]) -> bool:
-        """Whether ``pieces`` (the tensors registered now) are not the views into ``sharded_flat``."""
-        if self.device.type == "meta":
-            return any(p.device.type != "meta" or p is not q for p, q in zip(pieces, self.sharded_params))
-        lo = self.sharded_flat.data_ptr()
-        hi = lo + self.sharded_flat.nbytes
-        return any(
-            p is not q or p.dtype != self.dtype or p.device != self.shard_device
-            or (p.numel() > 0 and not lo <= p.data_ptr() < hi)
-            for p, q in zip(pieces, self.sharded_params)
-        )
+    def local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`local_view` of every parameter."""
+        return [self.local_view(flat, i) for i in range(len(self.shapes))]
 
-    def _piece_values(self, tensor: torch.Tensor, i: int) -> torch.Tensor:
-        """This rank's elements of parameter ``i`` from ``tensor``: its piece as is, or the piece's
-        range of a full-shape tensor (a parameter the user assigned after fully_shard)."""
-        flat = tensor.detach().reshape(-1)
-        pc = self.pieces[i]
-        if tuple(tensor.shape) == self.shapes[i] and flat.numel() != pc.numel:
-            return flat[pc.param_start : pc.param_start + pc.numel]
-        return flat
+    def _chunk_of(self, full: torch.Tensor, i: int) -> torch.Tensor:
+        """This rank's rows of a full-shape tensor of parameter ``i`` (FSDP2's ``torch.chunk``)."""
+        k, rows = self.layout.chunk_rows(i), self.layout.local_rows(self.rank, i)
+        start = min(self.rank * k, full.shape[0])
+        return full.narrow(0, start, rows)
 
-    def rehome(self, pieces: Sequence[torch.Tensor], param_dtype: torch.dtype | None,
-               device: torch.device | None = None) -> bool:
-        """Take back pieces that ``nn.Module._apply`` (``to``, ``double``, ``to_empty``) moved out of
-        ``sharded_flat``; True if anything changed.
-
-        ``_apply`` replaces a parameter's data (``param.data = fn(param)``, or ``swap_tensors`` with
-        a new tensor, or a new Parameter object): the piece then no longer views ``sharded_flat``,
-        so the optimizer would step storage the all-gather never reads. Here the group adopts the
-        pieces' new dtype and device: a new ``sharded_flat`` gets their values, each registered
-        object is pointed back into it (same objects, so optimizers and the module keep them),
-        gradients follow, and the unsharded buffer is rebuilt in ``param_dtype`` (None: the new
-        dtype). The layout is kept: element offsets are multiples of the alignment, so a wider
-        dtype stays aligned (a narrower one is refused by the caller).
-
-        Args:
-            pieces: the tensors now registered for each parameter: this rank's 1-D piece, or a
-                full-shape tensor (a parameter assigned after fully_shard), whose range is taken.
-            param_dtype: the unsharded dtype (the policy's), or None to follow the pieces.
-            device: the compute device from now on (None: the pieces' device); with ``offload``
-                the shard goes to the CPU whatever the pieces' device.
-        """
-        if not self.rehome_needed(pieces):
-            return False
-        first = pieces[0] if pieces else self.sharded_flat
-        dtype = first.dtype
-        self.device = device or first.device
+    def _fill_shard(self, flat: torch.Tensor, chunks: Sequence[torch.Tensor | None]) -> None:
+        """Write ``chunks`` (one per parameter, local shape, any device; None: zeros) into ``flat``,
+        padding zeroed."""
         with torch.no_grad():
-            flat = self._new_shard(dtype)
-            grads = [getattr(p, "grad", None) for p in pieces]
-            grad_flat = self._new_shard(dtype, zeros=True) if any(g is not None for g in grads) else None
-            for i, (p, pc) in enumerate(zip(pieces, self.pieces)):
-                view = flat[pc.shard_start : pc.shard_end]
-                if flat.device.type != "meta" and p.device.type != "meta":
-                    view.copy_(self._piece_values(p, i))
-                if grads[i] is not None:
-                    grad_flat[pc.shard_start : pc.shard_end].copy_(grads[i].reshape(-1))
-                    p.grad = None
-                p.data = view
-        self.sharded_flat, self.sharded_grad, self.grad_stats = flat, grad_flat, None
-        self.dtype = dtype
-        self.param_dtype = param_dtype or dtype
-        self.sharded_params = list(pieces)
-        for i, p in enumerate(self.sharded_params):
-            p._flashfsdp_full_shape = torch.Size(self.shapes[i])
-            p._flashfsdp_fqn = self.fqns[i]
-            p._flashfsdp_piece = self.pieces[i]
-            if grad_flat is not None and grads[i] is not None:
-                pc = self.pieces[i]
-                p.grad = grad_flat[pc.shard_start : pc.shard_end]
-        self.unsharded_accum = None
-        self._make_unsharded()
-        return True
-
-    # ---------------------------------------------------------------- sharded side
-    @property
-    def requires_grad(self) -> bool:
-        """Whether any parameter of the group is trainable now (its sharded piece's flag)."""
-        return any(p.requires_grad for p in self.sharded_params)
-
-    def reduce_plan(self) -> ReducePlan | None:
-        """The compacted reduce-scatter layout for the parameters trainable now (None: all are;
-        see ``reduce_plan.py``), cached per pattern."""
-        trainable = tuple(p.requires_grad for p in self.sharded_params)
-        if trainable not in self._reduce_plans:
-            self._reduce_plans[trainable] = ReducePlan.build(self.layout, trainable, self.rank)
-        return self._reduce_plans[trainable]
-
-    def sync_requires_grad(self) -> bool:
-        """Give each unsharded parameter its sharded piece's ``requires_grad``; True if one changed."""
-        changed = False
-        for sharded, unsharded in zip(self.sharded_params, self.unsharded_params):
-            if unsharded.requires_grad != sharded.requires_grad:
-                unsharded.requires_grad_(sharded.requires_grad)
-                changed = True
-        return changed
+            sources = [None if c is None else c.to(flat.device).reshape(-1) for c in chunks]
+            numels = [self.layout.local_numel(self.rank, i) for i in range(len(chunks))]
+            flatten(sources, list(self.layout.offsets), flat, numels=numels)
 
     def _make_sharded_param(self, i: int, requires_grad: bool) -> nn.Parameter:
-        pc = self.pieces[i]
-        param = nn.Parameter(self.sharded_flat[pc.shard_start : pc.shard_end], requires_grad=requires_grad)
-        param._flashfsdp_full_shape = torch.Size(self.shapes[i])
-        param._flashfsdp_fqn = self.fqns[i]
-        param._flashfsdp_piece = pc
+        param = self.spec.parameter(self.local_view(self.sharded_flat, i), self.shapes[i], requires_grad)
+        self._tag(param, i)
         return param
+
+    def _tag(self, param: torch.Tensor, i: int) -> None:
+        param._flashfsdp_fqn = self.fqns[i]
+        param._flashfsdp_index = i
 
     def prefix_fqns(self, prefix: str) -> None:
         """Prepend ``prefix`` (e.g. ``"layers.0."``) to every parameter's name, in ``fqns`` and on
-        the sharded pieces' ``_flashfsdp_fqn``.
-
-        The bindings name a unit's parameters relative to the module it was built from, and call
-        this when an enclosing module's unit is built, so that the names end up fully qualified.
-        """
+        the sharded parameters' ``_flashfsdp_fqn``."""
         for pos in range(len(self.fqns)):
             self.prefix_fqn(pos, prefix)
 
@@ -268,126 +177,224 @@ class FlatParam:
         self.sharded_params[pos]._flashfsdp_fqn = self.fqns[pos]
 
     @property
-    def shard_range(self) -> tuple[int, int]:
-        """This rank's [start, end) in the flat buffer (elements)."""
-        return self.layout.rank_range(self.rank)
+    def requires_grad(self) -> bool:
+        """Whether any parameter of the group is trainable now (its sharded parameter's flag)."""
+        return any(p.requires_grad for p in self.sharded_params)
 
-    def sharded_grad_buffer(self) -> torch.Tensor:
-        """``sharded_grad`` (S elements, original dtype), allocated (zeroed) on first use."""
-        if self.sharded_grad is None:
-            self.sharded_grad = self._new_shard(self.dtype, zeros=True)
-        return self.sharded_grad
+    def sync_requires_grad(self) -> bool:
+        """Give each unsharded parameter its sharded one's ``requires_grad``; True if one changed."""
+        changed = False
+        for sharded, unsharded in zip(self.sharded_params, self.unsharded_params):
+            if unsharded.requires_grad != sharded.requires_grad:
+                unsharded.requires_grad_(sharded.requires_grad)
+                changed = True
+        return changed
 
-    def release_unused_grad(self) -> None:
-        """Free ``sharded_grad`` once no piece refers to it (``optimizer.zero_grad()`` set every
-        ``.grad`` to None): the memory is free during the forward, as FSDP2's gradients are."""
-        if self.sharded_grad is not None and all(p.grad is None for p in self.sharded_params):
-            self.sharded_grad, self.grad_stats = None, None
+    # ---------------------------------------------------------------- taking converted parameters back
+    def rehome_needed(self, registered: Sequence[torch.Tensor]) -> bool:
+        """Whether ``registered`` (what the modules hold now) are not this group's sharded parameters
+        viewing ``sharded_flat`` (``module.to``, ``to_empty``, an assignment replaced them)."""
+        if self.device.type == "meta":
+            return any(local_of(p).device.type != "meta" or p is not q for p, q in zip(registered, self.sharded_params))
+        lo = self.sharded_flat.data_ptr()
+        hi = lo + self.sharded_flat.nbytes
+        for p, q in zip(registered, self.sharded_params):
+            local = local_of(p)
+            if (p is not q or local.dtype != self.dtype or local.device != self.shard_device
+                    or (local.numel() > 0 and not lo <= local.data_ptr() < hi)):
+                return True
+        return False
 
-    def grad_views(self) -> list[torch.Tensor]:
-        """Each sharded parameter's slice of ``sharded_grad`` (1-D views)."""
-        grad = self.sharded_grad_buffer()
-        return [grad[pc.shard_start : pc.shard_end] for pc in self.pieces]
+    def _chunk_values(self, tensor: torch.Tensor, i: int) -> torch.Tensor:
+        """This rank's chunk of parameter ``i`` from what a module holds for it: a DTensor of this
+        group's placements (its local tensor), or a full-shape tensor (its rows).
 
-    def prepare_grad_accumulation(self) -> bool:
-        """Make ``sharded_grad`` hold what the user's ``.grad`` fields say; True if it holds a gradient.
-
-        After ``optimizer.zero_grad(set_to_none=True)`` every piece's ``.grad`` is None: the next
-        reduction then assigns instead of adding (returns False). A piece whose ``.grad`` was set to
-        None alone is zeroed; a ``.grad`` replaced by another tensor is copied into the buffer.
+        Raises:
+            ValueError: a DTensor of other placements or local shape, or a tensor of another shape.
         """
-        grads = [p.grad for p in self.sharded_params]
-        if self.sharded_grad is None or all(g is None for g in grads):
+        want = self.layout.local_shape(self.rank, i)
+        if is_dtensor(tensor):
+            local = local_of(tensor)
+            if tuple(local.shape) == want and tuple(tensor.placements) == self.spec.placements:
+                return local
+            raise ValueError(
+                f"parameter '{self.fqns[i]}' was replaced by a DTensor with placements {tensor.placements} and local "
+                f"shape {tuple(local.shape)}, but its unit shards it as {self.spec.placements} with local shape "
+                f"{want}: assign a full-shape tensor or a DTensor of the unit's placements")
+        if tuple(tensor.shape) == self.shapes[i]:
+            return self._chunk_of(tensor.detach(), i)
+        raise ValueError(f"parameter '{self.fqns[i]}' was replaced by a tensor of shape {tuple(tensor.shape)}; its "
+                         f"full shape is {self.shapes[i]}")
+
+    def rehome(self, registered: Sequence[torch.Tensor], param_dtype: torch.dtype | None,
+               device: torch.device | None = None) -> bool:
+        """Take back parameters that ``nn.Module._apply`` (``to``, ``double``, ``to_empty``),
+        ``load_state_dict(assign=True)`` or an assignment put in place of the sharded ones; True if
+        anything changed.
+
+        ``_apply`` gives a DTensor parameter a new local tensor (``swap_tensors``, same object),
+        which no longer views ``sharded_flat``: the optimizer would step storage the all-gather
+        never reads. Here the group adopts the new dtype and device: a new ``sharded_flat`` gets
+        the values, each DTensor parameter's local tensor is pointed back into it (same objects,
+        so optimizers and the module keep them; a full-shape tensor put in its place gets a new
+        DTensor parameter), gradients follow, and the unsharded buffers are rebuilt in
+        ``param_dtype`` (None: the new dtype). The layout is kept: its offsets are multiples of
+        the alignment, so a wider dtype stays aligned (a narrower one is refused by the caller).
+
+        Args:
+            registered: what the modules now hold for each parameter.
+            param_dtype: the unsharded dtype (the policy's), or None to follow the parameters.
+            device: the compute device from now on (None: the parameters'); with ``offload``
+                the shard goes to the CPU whatever the parameters' device.
+        """
+        if not self.rehome_needed(registered):
             return False
-        views = self.grad_views()
-        for g, v in zip(grads, views):
-            if g is None:
-                v.zero_()
-            elif g.data_ptr() != v.data_ptr() or g.numel() != v.numel():
-                v.copy_(g.reshape(-1))
+        first = local_of(registered[0]) if registered else self.sharded_flat
+        self.device = device or first.device
+        self.dtype = first.dtype
+        grads = [getattr(p, "grad", None) for p in registered]
+        with torch.no_grad():
+            flat = self._new_shard(self.dtype)
+            if flat.device.type != "meta" and first.device.type != "meta":
+                self._fill_shard(flat, [self._chunk_values(p, i) for i, p in enumerate(registered)])
+            grad_flat = None
+            if any(g is not None for g in grads):
+                grad_flat = self._new_shard(self.dtype, zeros=True)
+                self._fill_shard(grad_flat, [None if g is None else self._chunk_values(g, i)
+                                             for i, g in enumerate(grads)])
+        self.sharded_flat = flat
+        params = []
+        for i, p in enumerate(registered):
+            view = self.local_view(flat, i)
+            if is_dtensor(p) and p.dtype == view.dtype:
+                p.grad = None
+                set_dtensor_local(p, view)
+            elif not self.spec.is_dtensor and isinstance(p, nn.Parameter):
+                p.grad = None
+                p.data = view
+            else:
+                p = self.spec.parameter(view, self.shapes[i], p.requires_grad)
+            self._tag(p, i)
+            params.append(p)
+        self.sharded_params = params
+        self.param_dtype = param_dtype or self.dtype
+        self.reset_grads(grad_flat, [g is not None for g in grads])
+        self._make_unsharded()
         return True
 
-    def had_grads(self) -> list[bool]:
-        """Per parameter, whether its sharded piece holds a gradient now (accumulating into it)."""
-        return [p.grad is not None for p in self.sharded_params]
-
-    def grad_mask(self, local: Sequence[bool], had: Sequence[bool], unused_get_zeros: bool = False) -> list[bool]:
-        """Which parameters get a ``.grad`` after a reduction: those that had one, got one on this
-        rank, or got one on another rank only (their reduced piece is not all zero).
-
-        [Note: gradients of unused parameters]
-        A trainable parameter that no rank used in a step must keep ``.grad = None`` (stepped with
-        zeros, Adam's momentum would move it; FSDP2 and DDP leave it None). The flat reduction
-        carries zeros for it, so whether it got a gradient on *any* rank is read back from the
-        reduced piece, for those parameters only that got none on this rank (usage that differs
-        across ranks, e.g. experts that only some ranks' tokens reach). On CUDA that read costs one
-        synchronisation, in steps where a trainable parameter got no gradient on this rank; freeze
-        parameters that are never used (``requires_grad_(False)``) to skip it. With
-        ``unused_get_zeros`` (FSDP2's ``set_reduce_scatter_unused_params``) every trainable parameter
-        gets a gradient, zeros where no rank gave one.
-        """
-        if unused_get_zeros:
-            return [bool(h or g or p.requires_grad) for h, g, p in zip(had, local, self.sharded_params)]
-        mask = [bool(h or g) for h, g in zip(had, local)]
-        unknown = [i for i, p in enumerate(self.sharded_params)
-                   if not mask[i] and p.requires_grad and p.numel() > 0]
-        if unknown:
-            views = self.grad_views()
-            nonzero = torch.stack([views[i].ne(0).any() for i in unknown]).tolist()
-            for i, flag in zip(unknown, nonzero):
-                mask[i] = flag
-        return mask
-
-    def expose_grads(self, mask: Sequence[bool] | None = None) -> None:
-        """Point each sharded parameter's ``.grad`` at its slice of ``sharded_grad`` (where ``mask``
-        says so; the others get None)."""
-        for i, (param, view) in enumerate(zip(self.sharded_params, self.grad_views())):
-            param.grad = view if mask is None or mask[i] else None
-
-    def run_post_accumulate_grad_hooks(self) -> None:
-        """Call the hooks users registered on the sharded pieces with
-        ``register_post_accumulate_grad_hook`` (an optimizer stepping in backward): the pieces get
-        their gradient from the reduction, not from autograd, so FSDP2 calls them too, right after."""
-        for p in self.sharded_params:
-            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-            if p.grad is not None and hooks:
-                for hook in list(hooks.values()):
-                    hook(p)
+    # ---------------------------------------------------------------- the unsharded side
+    def _make_unsharded(self) -> None:
+        """The unsharded (and gathered) buffers and their views: created once (again after
+        :meth:`rehome`), storage freed until the first unshard."""
+        lay = self.layout
+        self.unsharded_flat = torch.empty(lay.unsharded_size, dtype=self.param_dtype, device=self.device)
+        self.unsharded_params = [
+            nn.Parameter(self.unsharded_flat[u : u + n].view(shape), requires_grad=p.requires_grad)
+            for u, n, shape, p in zip(lay.unsharded_offsets, lay.numels, self.shapes, self.sharded_params)
+        ]
+        if lay.zero_copy:
+            self.gathered = self.unsharded_flat
+            self._copy_out_targets: list[torch.Tensor] = []
+        else:
+            self.gathered = torch.empty(lay.gathered_size, dtype=self.param_dtype, device=self.device)
+            self._copy_out_targets = [
+                self.unsharded_flat[lay.unsharded_offsets[s.param_index] + s.param_offset:][: s.numel]
+                for s in lay.segments]
+            self._copy_out_sources = [s.gathered_offset for s in lay.segments]
+        self._unsharded_nbytes = lay.unsharded_size * self.unsharded_flat.element_size()
+        self._gathered_nbytes = lay.gathered_size * self.unsharded_flat.element_size()
+        self.free_unsharded()
 
     def unsharded_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's 1-D range of a T-element buffer laid out like the unsharded one."""
-        return [flat[o : o + n] for o, n in zip(self.layout.offsets, self.layout.numels)]
+        """Each parameter's 1-D range of a buffer laid out like the unsharded one."""
+        return [flat[u : u + n] for u, n in zip(self.layout.unsharded_offsets, self.layout.numels)]
 
-    # ---------------------------------------------------------------- unsharded side
     @property
     def is_unsharded(self) -> bool:
         """Whether the unsharded buffer's storage is allocated."""
         return self.unsharded_flat.untyped_storage().nbytes() > 0
 
     def alloc_unsharded(self) -> None:
-        """Re-materialise the unsharded buffer's storage in place (contents undefined)."""
-        storage = self.unsharded_flat.untyped_storage()
-        if storage.nbytes() != self._unsharded_nbytes:
-            storage.resize_(self._unsharded_nbytes)
+        """Re-materialise the unsharded and gathered buffers' storage in place (contents undefined)."""
+        for buffer, nbytes in ((self.unsharded_flat, self._unsharded_nbytes), (self.gathered, self._gathered_nbytes)):
+            storage = buffer.untyped_storage()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+
+    def free_gathered(self) -> None:
+        """Free the gathered buffer's storage once copied out (nothing when it is the unsharded one)."""
+        if self.gathered is not self.unsharded_flat:
+            self.gathered.untyped_storage().resize_(0)
 
     def free_unsharded(self) -> None:
-        """Free the unsharded buffer's storage; the tensor objects and views stay alive."""
+        """Free the unsharded (and gathered) storage; the tensor objects and views stay alive."""
         self.unsharded_flat.untyped_storage().resize_(0)
+        self.free_gathered()
 
-    def shard_slice_of_unsharded(self) -> torch.Tensor:
-        """``unsharded_flat[r·S:(r+1)·S]``: where copy-in writes and the all-gather reads."""
-        lo, hi = self.shard_range
-        return self.unsharded_flat[lo:hi]
+    def gathered_slice(self, rank: int | None = None, parts: int | None = None) -> torch.Tensor:
+        """Slice ``rank`` of ``parts`` equal slices of the gathered buffer (default: this rank's
+        S elements, where copy-in writes and the all-gather reads)."""
+        parts = self.world_size if parts is None else parts
+        rank = self.rank if rank is None else rank
+        n = self.layout.gathered_size // parts
+        return self.gathered[rank * n : (rank + 1) * n]
+
+    def copy_out(self) -> None:
+        """Move every chunk from the gathered buffer into the unsharded parameters (one
+        ``unflatten`` launch), then free the gathered buffer; nothing to do when zero-copy."""
+        if self.gathered is self.unsharded_flat:
+            return
+        with torch.no_grad():
+            unflatten(self.gathered, self._copy_out_sources, self._copy_out_targets)
+        self.free_gathered()
+
+    def gathered_to_unsharded(self, gathered: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy-out of any W·S-element buffer in the gathered layout (e.g. master weights
+        all-gathered in their own dtype): a buffer in the unsharded layout (``out``, or new, of
+        ``gathered``'s dtype and device; one ``unflatten`` launch)."""
+        lay = self.layout
+        if out is None:
+            out = torch.empty(lay.unsharded_size, dtype=gathered.dtype, device=gathered.device)
+        if lay.zero_copy:
+            out.copy_(gathered[: lay.unsharded_size])
+            return out
+        targets = [out[lay.unsharded_offsets[s.param_index] + s.param_offset:][: s.numel] for s in lay.segments]
+        with torch.no_grad():
+            unflatten(gathered, [s.gathered_offset for s in lay.segments], targets)
+        return out
+
+    def unsharded_to_local(self, unsharded: torch.Tensor, shard: torch.Tensor, positions=None) -> None:
+        """Write this rank's rows of each parameter (``positions``: those only) from a buffer in the
+        unsharded layout into a buffer in the shard layout (``summon_full_params``' write-back)."""
+        with torch.no_grad():
+            for i in range(len(self.shapes)) if positions is None else positions:
+                full = unsharded[self.layout.unsharded_offsets[i]:][: self.layout.numels[i]].view(self.shapes[i])
+                self.local_view(shard, i).copy_(self._chunk_of(full, i))
+
+    def secondary_copy(self, parts: int, index: int) -> torch.Tensor:
+        """A copy of slice ``index`` of ``parts`` of the gathered layout, built from the unsharded
+        parameters (the gathered buffer is freed by then): what a rank keeps after forward when
+        it reshards to a group of ``parts`` ranks (``reshard_after_forward=<int>``)."""
+        n = self.layout.gathered_size // parts
+        if self.gathered is self.unsharded_flat:
+            return self.unsharded_flat[index * n : (index + 1) * n].clone()
+        out = torch.empty(n, dtype=self.param_dtype, device=self.device)
+        lo = index * n
+        picked = [(s, t) for s, t in zip(self.layout.segments, self._copy_out_targets)
+                  if lo <= s.gathered_offset < lo + n]
+        with torch.no_grad():
+            flatten([t for _, t in picked], [s.gathered_offset - lo for s, _ in picked], out)
+        return out
 
     def copy_in(self) -> None:
-        """Cast ``sharded_flat`` to ``param_dtype`` into this rank's slice of the unsharded buffer
+        """Cast ``sharded_flat`` to ``param_dtype`` into this rank's slice of the gathered buffer
         (with ``offload``: a host-to-device copy, asynchronous from pinned memory)."""
         self.gathered_at = (_shard_epoch, self.sharded_flat._version)
         # One S-element tensor into an S-element slice: ``copy_`` is the one cast launch that
         # ``flatten`` would make (the same rounding, nearest even), without its per-call
         # validation of a multi-tensor layout, the host cost of every unshard of small units.
         with torch.no_grad():
-            self.shard_slice_of_unsharded().copy_(self.sharded_flat, non_blocking=self.pin_memory)
+            self.gathered_slice().copy_(self.sharded_flat, non_blocking=self.pin_memory)
 
     def quantize_in(self, packed: torch.Tensor) -> None:
         """Copy-in of an int8 all-gather (ZeRO++ qwZ, ``runtime/quantized_gather.py``): quantise
@@ -409,8 +416,13 @@ class FlatParam:
 
     @property
     def unsharded_nbytes(self) -> int:
-        """Bytes of the unsharded buffer when allocated (T · itemsize of ``param_dtype``)."""
+        """Bytes of the unsharded buffer when allocated (its elements · itemsize of ``param_dtype``)."""
         return self._unsharded_nbytes
+
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of the gathered buffer while an all-gather lands (0 when it is the unsharded one)."""
+        return 0 if self.gathered is self.unsharded_flat else self._gathered_nbytes
 
     def sharded_nbytes(self) -> int:
         """Bytes this rank holds for the group's master weights and gradient shard."""

@@ -1,18 +1,28 @@
-"""Flat layout of one unit: element offsets, alignment, padding to the world size, rank ranges.
+"""Layout of one flat group of a unit: FSDP2's dim-0 chunks, packed per rank (pure arithmetic).
 
-A unit's parameters p_0..p_{n-1} are laid end to end in one flat buffer of T = W·S elements.
-Every offset is aligned to ``align`` elements so that each parameter starts on a 16-byte boundary in
-every dtype the unit uses, and T is padded to a multiple of W·align so that every rank's range
-[r·S, (r+1)·S) starts on such a boundary too. Rank r owns that range; each parameter's *local piece*
-on rank r is the parameter's range intersected with the rank's range (possibly empty).
+Every parameter p_i of shape (d_i, *rest_i) (c_i = prod(rest_i) elements per row) is cut along
+dim 0 as FSDP2 cuts it (``torch.chunk(p_i, W, dim=0)``, empty chunks past the end): chunk r holds
+rows [r·k_i, min((r+1)·k_i, d_i)) with k_i = ceil(d_i / W), and every rank reserves k_i rows for
+it (FSDP2's padded chunk, m_i = k_i·c_i elements). Rank r's **shard** is its chunks of p_0..p_{n-1}
+back to back at offsets o_i aligned to ``align`` elements, S elements in all, the same S on every
+rank: FSDP2's all-gather input. The all-gather output (the **gathered** buffer) is rank-major,
+W·S elements, rank r's shard at r·S; the reduce-scatter input has the same layout.
 
-The flat layout follows fairscale's ``FlattenParamsWrapper`` and FSDP1's ``FlatParameter``; the
-alignment follows YaFSDP. Pure arithmetic: no tensors, no torch.distributed.
+The **unsharded** buffer holds the parameters end to end (p_i at u_i, aligned), each a contiguous
+row-major tensor, so copy-out moves W·n segments: chunk r of p_i from r·S + o_i in the gathered
+buffer to u_i + r·m_i. Where the gathered buffer already *is* that layout — one rank, or one
+parameter whose chunk fills the shard (S = m_0) — there is no copy-out: the unsharded parameters
+are views of the gathered buffer (:attr:`ShardLayout.zero_copy`).
+
+The dim-0 chunking and padding are FSDP2's (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``,
+``_init_sharded_param``); the per-rank packing of the all-gather input is FSDP2's too
+(``_fsdp_collectives.foreach_all_gather``); the alignment follows YaFSDP. No tensors here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 ALIGN_BYTES = 16
@@ -41,110 +51,168 @@ def align_elements(itemsizes: Sequence[int], align_bytes: int = ALIGN_BYTES) -> 
 
 
 @dataclass(frozen=True)
-class LocalPiece:
-    """The part of one parameter that one rank owns.
+class Segment:
+    """One contiguous run of elements that moves between two flat buffers (copy-out, packing).
 
     Attributes:
-        param_index: index of the parameter in the layout.
-        flat_start, flat_end: the piece's range in the flat buffer (elements, end exclusive).
-        shard_start, shard_end: the same range relative to the rank's shard (0 <= start <= end <= S).
-        param_start: offset of the piece inside the flattened parameter (elements).
+        param_index: the parameter it belongs to.
+        rank: the rank whose chunk it is.
+        gathered_offset: where it lies in the rank-major gathered (or reduce-scatter) buffer.
+        param_offset: where it lies in the flattened parameter (and in the unsharded buffer,
+            relative to the parameter's start).
+        numel: its length in elements (> 0).
     """
 
     param_index: int
-    flat_start: int
-    flat_end: int
-    shard_start: int
-    shard_end: int
-    param_start: int
-
-    @property
-    def numel(self) -> int:
-        """Number of elements in the piece (0 when the rank owns none of the parameter)."""
-        return self.flat_end - self.flat_start
+    rank: int
+    gathered_offset: int
+    param_offset: int
+    numel: int
 
 
 @dataclass(frozen=True)
-class FlatLayout:
-    """Offsets, padding and per-rank ranges of one flat buffer.
+class ShardLayout:
+    """Where every parameter's chunks lie in the shard, the gathered and the unsharded buffers.
 
-    Attributes:
-        numels: element count of each parameter.
-        offsets: element offset of each parameter in the flat buffer (aligned, increasing).
-        world_size: W, the number of ranks the buffer is sharded over.
-        align: alignment of every offset and of the shard size, in elements.
-        shard_size: S, the elements each rank owns (a multiple of ``align``).
+    Build it with :meth:`build`. Attributes:
+        shapes: each parameter's full shape (at least 1-D).
+        world_size: W, the ranks the group is sharded over.
+        align: alignment of every offset and of S, in elements.
+        offsets: o_i, each parameter's chunk offset in a rank's shard.
+        shard_size: S, the elements of each rank's shard (a multiple of ``align``).
+        unsharded_offsets: u_i, each parameter's offset in the unsharded buffer.
+        unsharded_size: elements of the unsharded buffer (W·S when :attr:`zero_copy`).
+        zero_copy: the gathered buffer is laid out as the unsharded one (no copy-out).
     """
 
-    numels: tuple[int, ...]
-    offsets: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
     world_size: int
     align: int
+    offsets: tuple[int, ...]
     shard_size: int
+    unsharded_offsets: tuple[int, ...]
+    unsharded_size: int
+    zero_copy: bool
 
     @classmethod
-    def build(cls, numels: Sequence[int], world_size: int, align: int = 1) -> "FlatLayout":
-        """Lay parameters of the given sizes end to end, aligned, padded to a multiple of W·align.
+    def build(cls, shapes: Sequence[Sequence[int]], world_size: int, align: int = 1) -> "ShardLayout":
+        """Lay out parameters of the given shapes for ``world_size`` ranks.
 
         Args:
-            numels: element count of each parameter (>= 0).
+            shapes: each parameter's shape; at least one dimension (FSDP2 shards dim 0).
             world_size: W >= 1.
             align: element alignment of each offset and of S (>= 1).
 
         Raises:
-            ValueError: on a negative numel, W < 1 or align < 1.
+            ValueError: W < 1, align < 1, a 0-dim shape or a negative size.
         """
         if world_size < 1:
-            raise ValueError(f"FlatLayout: world_size must be >= 1, got {world_size}")
+            raise ValueError(f"ShardLayout: world_size must be >= 1, got {world_size}")
         if align < 1:
-            raise ValueError(f"FlatLayout: align must be >= 1, got {align}")
-        offsets = []
-        cursor = 0
-        for i, n in enumerate(numels):
-            if n < 0:
-                raise ValueError(f"FlatLayout: numels[{i}] is negative ({n})")
+            raise ValueError(f"ShardLayout: align must be >= 1, got {align}")
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        for i, shape in enumerate(shapes):
+            if not shape:
+                raise ValueError(f"ShardLayout: shapes[{i}] is 0-dim; dim-0 sharding needs at least one dimension")
+            if any(d < 0 for d in shape):
+                raise ValueError(f"ShardLayout: shapes[{i}] = {shape} has a negative size")
+        offsets, cursor = [], 0
+        for shape in shapes:
             cursor = _round_up(cursor, align)
             offsets.append(cursor)
-            cursor += n
-        shard = _round_up(_ceil_div(cursor, world_size), align)
-        return cls(tuple(int(n) for n in numels), tuple(offsets), world_size, align, shard)
+            cursor += _chunk_rows(shape[0], world_size) * _row_numel(shape)
+        shard = _round_up(cursor, align)
+        single = len(shapes) == 1 and _chunk_rows(shapes[0][0], world_size) * _row_numel(shapes[0]) == shard
+        if world_size == 1 or single:
+            return cls(shapes, world_size, align, tuple(offsets), shard, tuple(offsets), world_size * shard, True)
+        uoffsets, cursor = [], 0
+        for shape in shapes:
+            cursor = _round_up(cursor, align)
+            uoffsets.append(cursor)
+            cursor += _numel(shape)
+        return cls(shapes, world_size, align, tuple(offsets), shard, tuple(uoffsets), _round_up(cursor, align), False)
 
+    # ---------------------------------------------------------------- per parameter
     @property
-    def total(self) -> int:
-        """T = W·S, the padded length of the unsharded flat buffer (elements)."""
+    def numels(self) -> tuple[int, ...]:
+        """Each parameter's full number of elements."""
+        return tuple(_numel(s) for s in self.shapes)
+
+    def row_numel(self, i: int) -> int:
+        """c_i: elements per dim-0 row of parameter ``i``."""
+        return _row_numel(self.shapes[i])
+
+    def chunk_rows(self, i: int) -> int:
+        """k_i = ceil(d_i / W): the rows every rank reserves for parameter ``i`` (FSDP2's padded chunk)."""
+        return _chunk_rows(self.shapes[i][0], self.world_size)
+
+    def padded_numel(self, i: int) -> int:
+        """m_i = k_i · c_i: the elements of parameter ``i``'s chunk in every rank's shard."""
+        return self.chunk_rows(i) * self.row_numel(i)
+
+    def local_rows(self, rank: int, i: int) -> int:
+        """Rows of parameter ``i`` that ``rank`` holds (``torch.chunk``'s; 0 past the end)."""
+        k, d = self.chunk_rows(i), self.shapes[i][0]
+        return max(0, min(k, d - rank * k))
+
+    def local_shape(self, rank: int, i: int) -> tuple[int, ...]:
+        """The shape of ``rank``'s chunk of parameter ``i`` (FSDP2's ``to_local()`` shape)."""
+        return (self.local_rows(rank, i),) + self.shapes[i][1:]
+
+    def local_numel(self, rank: int, i: int) -> int:
+        """Elements of ``rank``'s chunk of parameter ``i``."""
+        return self.local_rows(rank, i) * self.row_numel(i)
+
+    def param_offset(self, rank: int, i: int) -> int:
+        """Where ``rank``'s chunk of parameter ``i`` starts in the flattened parameter."""
+        return min(rank * self.padded_numel(i), _numel(self.shapes[i]))
+
+    # ---------------------------------------------------------------- whole buffers
+    @property
+    def gathered_size(self) -> int:
+        """W·S, the elements of the all-gather output and of the reduce-scatter input."""
         return self.world_size * self.shard_size
 
     @property
     def used(self) -> int:
-        """Elements up to the end of the last parameter (T minus the tail padding)."""
-        if not self.numels:
+        """Elements of the shard up to the end of the last parameter's chunk (S less the tail padding)."""
+        if not self.shapes:
             return 0
-        return self.offsets[-1] + self.numels[-1]
+        return self.offsets[-1] + self.padded_numel(len(self.shapes) - 1)
 
-    def rank_range(self, rank: int) -> tuple[int, int]:
-        """[start, end) of rank ``rank``'s shard in the flat buffer (elements)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"FlatLayout: rank {rank} is outside [0, {self.world_size})")
-        return rank * self.shard_size, (rank + 1) * self.shard_size
+    @cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """Every non-empty (rank, parameter) chunk, rank-major: what copy-out moves from the
+        gathered buffer into the unsharded parameters and what packing moves from the gradients
+        into the reduce-scatter input."""
+        out = []
+        for r in range(self.world_size):
+            for i in range(len(self.shapes)):
+                n = self.local_numel(r, i)
+                if n:
+                    out.append(Segment(i, r, r * self.shard_size + self.offsets[i], r * self.padded_numel(i), n))
+        return tuple(out)
 
-    def local_pieces(self, rank: int) -> list[LocalPiece]:
-        """Each parameter's piece owned by ``rank``, in parameter order (empty pieces included).
+    def sub_layout(self, keep: Sequence[bool]) -> "ShardLayout":
+        """The layout of only the parameters flagged in ``keep`` (same W and alignment): the
+        compacted reduce-scatter of a group whose other parameters are frozen."""
+        return ShardLayout.build([s for s, k in zip(self.shapes, keep) if k], self.world_size, self.align)
 
-        An empty piece has ``flat_start == flat_end`` clamped into the rank's range, so that it can
-        still be expressed as an (empty) slice of the shard.
-        """
-        lo, hi = self.rank_range(rank)
-        pieces = []
-        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
-            start = min(max(off, lo), hi)
-            end = max(min(off + n, hi), start)
-            pieces.append(LocalPiece(i, start, end, start - lo, end - lo, start - off if end > start else 0))
-        return pieces
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _row_numel(shape: Sequence[int]) -> int:
+    return _numel(shape[1:])
+
+
+def _chunk_rows(rows: int, world_size: int) -> int:
+    return -(-rows // world_size)
 
 
 def _round_up(x: int, multiple: int) -> int:
-    return _ceil_div(x, multiple) * multiple
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+    return -(-x // multiple) * multiple

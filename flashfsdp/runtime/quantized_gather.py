@@ -12,9 +12,9 @@ With ``all_gather_dtype=torch.int8`` a group's unshard (``ShardedUnit.unshard``)
    ``param_dtype`` first;
 2. one all-gather of that int8 buffer in place (values and scales travel together);
 3. at ``AllGatherResult.wait()``: once the all-gather is done, one ``dequantize_int8`` pass writes
-   every rank's values, cast to ``param_dtype``, into the unsharded buffer the parameters view
-   (on CUDA on the all-gather stream, which the compute stream then waits on); the int8 buffer is
-   freed.
+   every rank's values, cast to ``param_dtype``, into the gathered buffer (on CUDA on the
+   all-gather stream, which the compute stream then waits on), copied out into the unsharded
+   parameters as after a plain all-gather; the int8 buffer is freed.
 
 Bytes on the wire per value: 1 + 4/256 (0.508x of bf16's 2, 0.254x of fp32's 4). The only extra
 pass against a plain all-gather is the dequantisation (it reads 1 byte and writes ``param_dtype``
@@ -38,7 +38,7 @@ from flashfsdp.kernels.quantize import packed_nbytes
 
 from .communicator import Communicator, LocalCommunicator, Work
 from .flat_param import FlatParam
-from .layout import FlatLayout
+from .layout import ShardLayout
 from .streams import DeviceStreams
 
 ALL_GATHER_DTYPES = (torch.int8,)
@@ -115,20 +115,21 @@ class QuantizedAllGather:
         group.quantize_in(self.local)
 
     def dequantize(self) -> None:
-        """Write every rank's values into the group's unsharded buffer (``param_dtype``); free the
-        int8 buffer. Call it once the all-gather completed."""
-        dequantize_int8(self.packed, self.group.unsharded_flat, chunks=self.chunks)
+        """Write every rank's values into the group's gathered buffer (``param_dtype``; the
+        unsharded one where the layout is zero-copy, else copy-out follows); free the int8
+        buffer. Call it once the all-gather completed."""
+        dequantize_int8(self.packed, self.group.gathered, chunks=self.chunks)
         self.packed = self.local = None
 
 
-def group_all_gather_nbytes(layout: FlatLayout, param_itemsize: int, quantized: bool) -> int:
+def group_all_gather_nbytes(layout: ShardLayout, param_itemsize: int, quantized: bool) -> int:
     """Bytes one all-gather of a group with ``layout`` writes over its W ranks: W packed int8
     chunks (``packed_nbytes(S)`` each: values and a scale per block) when ``quantized``, else the
-    T-element unsharded buffer at ``param_itemsize`` bytes per element. The one formula the
+    W·S-element gathered buffer at ``param_itemsize`` bytes per element. The one formula the
     runtime's counters and ``flashfsdp.estimate`` both use."""
     if quantized:
         return layout.world_size * packed_nbytes(layout.shard_size)
-    return layout.total * param_itemsize
+    return layout.gathered_size * param_itemsize
 
 
 def all_gather_nbytes(groups: Sequence[FlatParam], all_gather_dtype: torch.dtype | None) -> int:

@@ -2,10 +2,13 @@
 
 Per trainable flat group (DESIGN.md §2, step 5): one ``flatten`` launch on the compute stream
 (as FSDP2's ``foreach_reduce``: the gradients are freed right after it) packs every unsharded
-gradient into a T-element buffer in ``reduce_dtype`` (cast, pre-divide, zero padding, zeros where
-no gradient) — or compacted per rank when some parameters are frozen (``reduce_plan.py``);
-reduce-scatter into S elements on the reduce-scatter stream. The :class:`PendingReduce` it
-returns finishes later: one ``accumulate_grad_shard`` launch post-divides, casts and adds into
+gradient into the rank-major reduce-scatter input in ``reduce_dtype``: rank r's segment holds
+chunk r of every gradient at the shard's offsets (cast, pre-divide, zero padding, zeros where no
+gradient), then one flag per parameter (see [Note: gradients of unused parameters] in
+``grad_shard.py``). Frozen parameters are left out: the segment is then laid out by the trainable
+parameters' sub-layout (``FlatParam.reduce_layout``). The reduce-scatter into one segment runs on
+the reduce-scatter stream. The :class:`PendingReduce` it returns finishes later: one
+``accumulate_grad_shard`` launch post-divides, casts and adds the segment's shard part into
 ``sharded_grad`` and returns the shard's squared norm and inf/nan flag from the same pass.
 
 [Note: pre-divide and post-divide]
@@ -38,7 +41,7 @@ from flashfsdp.kernels import accumulate_grad_shard, flatten, unflatten
 from . import loss_scale, trace
 from .communicator import Work
 from .flat_param import FlatParam
-from .reduce_plan import ReducePlan
+from .layout import ShardLayout
 
 if TYPE_CHECKING:
     from .unit import ShardedUnit
@@ -68,6 +71,38 @@ def divide_factors(unit: "ShardedUnit", reduce_dtype: torch.dtype) -> tuple[floa
 
 
 @dataclass
+class ReduceLayout:
+    """The reduce-scatter layout of one reduction of a group.
+
+    Attributes:
+        layout: the shard layout of the parameters reduced (the group's, or its trainable
+            parameters' sub-layout).
+        keep: the group's index of each parameter of ``layout``.
+        segment: R, the elements of one rank's segment (the reduce-scatter output): the shard's
+            S elements, then one flag per parameter, padded to the alignment.
+    """
+
+    layout: ShardLayout
+    keep: tuple[int, ...]
+
+    @property
+    def segment(self) -> int:
+        align = self.layout.align
+        return self.layout.shard_size + -(-len(self.keep) // align) * align
+
+    @classmethod
+    def of(cls, group: FlatParam) -> "ReduceLayout":
+        sub = group.reduce_layout()
+        if sub is None:
+            return cls(group.layout, tuple(range(len(group.shapes))))
+        return cls(sub, tuple(i for i, p in enumerate(group.sharded_params) if p.requires_grad))
+
+    @property
+    def dense(self) -> bool:
+        return len(self.keep) == len(self.layout.shapes) and self.keep == tuple(range(len(self.keep)))
+
+
+@dataclass
 class PendingReduce:
     """A reduce-scatter in flight and what is needed to accumulate its result."""
 
@@ -77,21 +112,39 @@ class PendingReduce:
     output: torch.Tensor
     accumulate: bool
     post_scale: float
+    rlayout: ReduceLayout
     keepalive: list = field(default_factory=list)
     issued: "trace.Issued | None" = None  # when it was issued (for an active profile)
     local: list = field(default_factory=list)  # per parameter: got a gradient on this rank
-    had: list = field(default_factory=list)  # per parameter: its piece held a gradient already
-    plan: ReducePlan | None = None  # the compacted layout the output comes in (None: dense)
+    had: list = field(default_factory=list)  # per parameter: its chunk held a gradient already
     across_replicas: bool = False  # HSDP: the all-reduce stage was started (see start_all_reduce)
     to_accumulate: bool = True  # False: the output went into the unit's partial sum
 
-    def _expand(self) -> torch.Tensor:
-        """A compacted output placed at its offsets in a zeroed shard-sized buffer."""
-        full = torch.zeros(self.group.layout.shard_size, dtype=self.output.dtype, device=self.output.device)
-        if self.plan.local:
-            unflatten(self.output, [seg for seg, _, _ in self.plan.local],
-                      [full[start : start + n] for _, start, n in self.plan.local])
-        return full
+    def _expand(self) -> None:
+        """Make the output dense: a segment of the group's own layout, the reduced parameters'
+        chunks and flags at their places, zeros for the others."""
+        rl, group = self.rlayout, self.group
+        full_rl = ReduceLayout(group.layout, tuple(range(len(group.shapes))))
+        full = torch.zeros(full_rl.segment, dtype=self.output.dtype, device=self.output.device)
+        S, S_sub = group.layout.shard_size, rl.layout.shard_size
+        outs, offsets = [], []
+        for k, i in enumerate(rl.keep):
+            n = group.layout.local_numel(group.rank, i)
+            outs.append(full[group.layout.offsets[i] : group.layout.offsets[i] + n])
+            offsets.append(rl.layout.offsets[k])
+            outs.append(full[S + i : S + i + 1])
+            offsets.append(S_sub + k)
+        unflatten(self.output, offsets, outs)
+        self.output, self.rlayout = full, full_rl
+
+    def got_anywhere(self) -> list[bool]:
+        """Per parameter of the group: whether any rank gave it a gradient (the summed flags)."""
+        S = self.rlayout.layout.shard_size
+        flags = self.output[S : S + len(self.rlayout.keep)].ne(0).tolist()
+        out = [False] * len(self.group.shapes)
+        for i, flag in zip(self.rlayout.keep, flags):
+            out[i] = flag
+        return out
 
     def _run_all_reduce_hook(self) -> None:
         unit, streams = self.unit, self.unit.streams
@@ -121,8 +174,8 @@ class PendingReduce:
         self._wait_reduce_scatter()
         partial = unit.partial_reduce.pop(id(self.group), None)
         if partial is not None or not unit.requires_all_reduce:
-            if self.plan is not None:  # partial sums are dense: the frozen parameters may change
-                self.output, self.plan = self._expand(), None
+            if not self.rlayout.dense:  # partial sums are dense: the frozen parameters may change
+                self._expand()
             if partial is not None:
                 self.output.add_(partial[0])
                 self.local = [a or b for a, b in zip(self.local, partial[1])]
@@ -146,7 +199,9 @@ class PendingReduce:
             grad = self.group.sharded_grad_buffer()
             if self.unit.all_reduce_hook is not None:
                 self._run_all_reduce_hook()
-            output = self.output if self.plan is None else self._expand()
+            if not self.rlayout.dense:
+                self._expand()
+            output = self.output[: self.group.layout.shard_size]
             if output.device != grad.device:
                 # CPU offload: the reduced shard comes to the host (this waits for it), where it
                 # is accumulated; the optimizer then steps on the CPU.
@@ -158,7 +213,7 @@ class PendingReduce:
                 sq_norm, nonfinite = accumulate_grad_shard(output, grad, scale=scale, accumulate=self.accumulate)
         self.group.grad_stats = (sq_norm, nonfinite, grad._version)
         loss_scale.record(self.group, unscaled_by)
-        mask = self.group.grad_mask(self.local, self.had, self.unit.reduce_unused_params) if self.local else None
+        mask = self.group.grad_mask(self.local, self.had, self.got_anywhere, self.unit.reduce_unused_params)
         self.group.expose_grads(mask)
         self.group.run_post_accumulate_grad_hooks()
         self.keepalive.clear()
@@ -176,19 +231,18 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
     f_pre, f_post = divide_factors(unit, reduce_dtype)
     had = group.had_grads()
     accumulate = group.prepare_grad_accumulation()
-    plan = group.reduce_plan()
+    rlayout = ReduceLayout.of(group)
     streams, rs = unit.streams, unit.streams.reduce_scatter
     # Packing runs on the compute stream (FSDP2's foreach_reduce), so that the gradients can go
     # at once; the reduce-scatter stream waits on it (use). See streams.py, [Note: memory safety].
     with torch.no_grad(), trace.span("pack", unit.name, "compute" if streams.is_cuda else "reduce_scatter"):
-        packed = pack(group, grads, reduce_dtype, 1.0 / f_pre, plan, unit.device)
+        packed = pack(group, grads, local, reduce_dtype, 1.0 / f_pre, rlayout, unit.device)
     with streams.use(rs), torch.no_grad():
-        size = group.layout.shard_size if plan is None else plan.segment
-        output = torch.empty(size, dtype=reduce_dtype, device=unit.device)
+        output = torch.empty(rlayout.segment, dtype=reduce_dtype, device=unit.device)
         with trace.issuing("reduce_scatter", unit.name, rs) as issued:
             work = issued.track((unit.rs_comm or unit.comm).reduce_scatter_tensor(output, packed, op="sum"))
-        pending = PendingReduce(unit, group, work, output, accumulate, 1.0 / f_post, [packed], issued, local, had,
-                                plan)
+        pending = PendingReduce(unit, group, work, output, accumulate, 1.0 / f_post, rlayout, [packed], issued,
+                                local, had)
         read_event = streams.record(rs)  # the reduce-scatter has read ``packed``
         if streams.is_cuda:  # HSDP: enqueue the all-reduce behind it (see [Note: HSDP all-reduce])
             pending.start_all_reduce()
@@ -200,12 +254,12 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
     return pending
 
 
-def pack(group: FlatParam, grads: list, reduce_dtype: torch.dtype, scale: float, plan: ReducePlan | None,
-         device: torch.device) -> torch.Tensor:
-    """The reduce-scatter input: the gradients cast to ``reduce_dtype`` and scaled, in the group's
-    T-element layout (one ``flatten`` launch) or compacted by ``plan`` (frozen parameters left out,
-    see ``reduce_plan.py``); with a no-sync accumulation buffer, these gradients are added into it
-    first and it is the source."""
+def pack(group: FlatParam, grads: list, local: list[bool], reduce_dtype: torch.dtype, scale: float,
+         rlayout: ReduceLayout, device: torch.device) -> torch.Tensor:
+    """The reduce-scatter input (W segments of ``rlayout.segment`` elements, ``reduce_dtype``):
+    chunk r of each reduced gradient, scaled, at rank r's segment's shard offsets, then the
+    flags ``local`` of the reduced parameters in every segment; one ``flatten`` launch. With a
+    no-sync accumulation buffer, these gradients are added into it first and it is the source."""
     accum = group.unsharded_accum
     if accum is not None:
         sources = group.unsharded_views(accum)
@@ -214,17 +268,38 @@ def pack(group: FlatParam, grads: list, reduce_dtype: torch.dtype, scale: float,
                 view.add_(g.reshape(-1))
         group.unsharded_accum = None
         group.accum_had_grad = [False] * len(group.accum_had_grad)
-        if plan is None:
-            return accum.mul_(scale) if scale != 1.0 else accum
         grads = sources
-    if plan is None:
-        packed = torch.empty(group.layout.total, dtype=reduce_dtype, device=device)
-        flatten(grads, list(group.layout.offsets), packed, scale=scale, numels=list(group.layout.numels))
-        return packed
-    packed = torch.empty(plan.packed_size, dtype=reduce_dtype, device=device)
-    parts = [None if grads[i] is None else grads[i].reshape(-1)[a : a + n] for i, a, n, _ in plan.entries]
-    flatten(parts, [o for *_, o in plan.entries], packed, scale=scale, numels=[n for _, _, n, _ in plan.entries])
+    lay, R = rlayout.layout, rlayout.segment
+    flat_grads = [None if g is None else g.reshape(-1) for g in grads]
+    tensors, offsets, numels = [], [], []
+    for s in lay.segments:
+        g = flat_grads[rlayout.keep[s.param_index]]
+        tensors.append(None if g is None else g[s.param_offset : s.param_offset + s.numel])
+        offsets.append(s.rank * R + lay.offsets[s.param_index])
+        numels.append(s.numel)
+    flags = _flags(group, tuple(bool(local[i]) for i in rlayout.keep), device)
+    for r in range(lay.world_size):
+        tensors.append(flags)
+        offsets.append(r * R + lay.shard_size)
+        numels.append(len(rlayout.keep))
+    packed = torch.empty(lay.world_size * R, dtype=reduce_dtype, device=device)
+    flatten(tensors, offsets, packed, scale=scale, numels=numels)
     return packed
+
+
+_FLAG_CACHE_SIZE = 8
+
+
+def _flags(group: FlatParam, values: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    """The flags as a float32 tensor on ``device``, kept per pattern on the group (a pattern
+    repeats step after step: no host-to-device copy per reduction)."""
+    cache = group.__dict__.setdefault("_reduce_flags", {})
+    key = (values, device)
+    if key not in cache:
+        if len(cache) >= _FLAG_CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        cache[key] = torch.tensor(values, dtype=torch.float32).to(device)
+    return cache[key]
 
 
 def accumulate_unsharded(unit: "ShardedUnit") -> None:
@@ -239,7 +314,8 @@ def accumulate_unsharded(unit: "ShardedUnit") -> None:
             continue
         with torch.no_grad():
             if group.unsharded_accum is None:
-                group.unsharded_accum = torch.zeros(group.layout.total, dtype=reduce_dtype, device=unit.device)
+                group.unsharded_accum = torch.zeros(group.layout.unsharded_size, dtype=reduce_dtype,
+                                                    device=unit.device)
             for i, (view, g) in enumerate(zip(group.unsharded_views(group.unsharded_accum), grads)):
                 if g is not None:
                     view.add_(g.reshape(-1))

@@ -3,9 +3,10 @@
 One unit is the parameters of one ``fully_shard`` call, grouped into FlatParams by (dtype,
 requires_grad). Its step on rank r (DESIGN.md §2):
 
-1. unshard [all-gather stream]: allocate each group's unsharded buffer, copy-in (cast the shard to
-   ``param_dtype`` into its own slice), all-gather in place. Returns an :class:`AllGatherResult`
-   carrying the work handles; ``wait()`` makes the compute stream wait (GPU) or blocks (CPU).
+1. unshard [all-gather stream]: allocate each group's gathered and unsharded buffers, copy-in
+   (cast the shard to ``param_dtype`` into this rank's slice of the gathered buffer), all-gather in
+   place. Returns an :class:`AllGatherResult` carrying the work handles; ``wait()`` makes the
+   compute stream wait (GPU) or blocks (CPU), then copies out into the unsharded parameters.
 2. reshard: free the unsharded storage, the all-gather stream ordered after the compute stream
    first (see ``streams`` for why nothing else is needed on free).
 3. reduce_grads: pack [compute stream] + reduce-scatter + (later) accumulate [reduce-scatter
@@ -14,6 +15,7 @@ requires_grad). Its step on rank r (DESIGN.md §2):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,6 +29,7 @@ from .flat_param import FlatParam
 from .layout import align_elements
 from .quantized_gather import QuantizedAllGather, check_all_gather_dtype, finish_quantized
 from .reduce import PendingReduce, accumulate_unsharded, gradient_divide_factors, reduce_group
+from .sharding_spec import ShardingSpec
 from .states import ShardState
 from .streams import DeviceStreams, streams_for
 
@@ -55,16 +58,22 @@ class AllGatherResult:
     streams: "DeviceStreams | None" = None
     issued: "trace.Issued | None" = None  # when it was issued (for an active profile)
     quantized: "list[QuantizedAllGather] | None" = None  # int8 all-gathers to dequantise at wait()
+    groups: "list[FlatParam] | None" = None  # the groups to copy out at wait()
 
     def wait(self) -> None:
-        """Make the current stream wait on the all-gathers (GPU) or block until done (CPU)."""
+        """Make the current stream wait on the all-gathers (GPU) or block until done (CPU), then
+        copy every group's gathered buffer out into its unsharded parameters (on CUDA on the
+        all-gather stream, which the current stream then waits on)."""
         with trace.waiting(self.issued, self.works):
             if self.quantized:
                 self.event = finish_quantized(self.quantized, self.works, self.streams)
                 self.quantized, self.works = None, []
+            if self.groups and any(not g.layout.zero_copy for g in self.groups):
+                self.event = finish_copy_out(self.groups, self.works, self.streams, self.event)
+                self.works = []
             for work in self.works:
                 work.wait()
-        self.works = []
+        self.works, self.groups = [], None
         if self.streams is not None:
             self.streams.wait(self.event)
             self.streams = None
@@ -97,6 +106,8 @@ class ShardedUnit:
             floating groups block-wise quantised to int8 and dequantise into ``param_dtype`` at
             the wait (ZeRO++ qwZ, Wang et al. 2023; ``quantized_gather.py``); the master shard
             and the gradients are unchanged. ValueError if the communicator or device cannot.
+        spec: how the unit's chunks are shown (``ShardingSpec``: DTensors on its mesh with FSDP2's
+            placements, or plain tensors without a mesh; default plain).
 
     A unit with no parameters is allowed: its unshard and reduction do nothing.
     """
@@ -115,8 +126,10 @@ class ShardedUnit:
         pin_memory: bool = False,
         replicate_comm: Communicator | None = None,
         all_gather_dtype: torch.dtype | None = None,
+        spec: ShardingSpec | None = None,
     ):
         self.name = name
+        self.spec = spec or ShardingSpec(None)
         self.comm = communicator
         self.replicate_comm = replicate_comm
         self.requires_all_reduce = True  # FSDPModule.set_requires_all_reduce (HSDP)
@@ -144,7 +157,7 @@ class ShardedUnit:
             group = FlatParam(
                 [params[i] for i in idx], [fqns[i] for i in idx], rank=communicator.rank,
                 world_size=communicator.world_size, param_dtype=pdt, device=device, align=align,
-                offload=offload, pin_memory=pin_memory,
+                spec=self.spec, offload=offload, pin_memory=pin_memory,
             )
             self.groups.append(group)
             for pos, i in enumerate(idx):
@@ -224,22 +237,20 @@ class ShardedUnit:
         return group.unsharded_params[pos]
 
     def sharded_param(self, i: int) -> torch.nn.Parameter:
-        """Parameter ``i``'s local piece (a 1-D view into the master shard)."""
+        """Parameter ``i``'s sharded form (a DTensor over its chunk of the master shard)."""
         group, pos = self.param_slots[i]
         return group.sharded_params[pos]
 
     # ------------------------------------------------------------------ unshard / reshard
-    def _secondary_slice(self, group: FlatParam) -> torch.Tensor:
-        """This rank's 1/k of ``group``'s unsharded buffer for the post-forward group of k ranks."""
-        k, g = self.post_forward_comm.world_size, self.post_forward_comm.rank
-        n = group.layout.total // k
-        return group.unsharded_flat[g * n : (g + 1) * n]
+    def _post_forward_slot(self) -> tuple[int, int]:
+        """(k, this rank's index) in the post-forward group of k consecutive ranks."""
+        return self.post_forward_comm.world_size, self.post_forward_comm.rank
 
     def unshard(self) -> AllGatherResult | None:
         """Issue copy-in + all-gather of every group (asynchronous); None if already unsharded.
 
-        From the post-forward (secondary) sharding, the copy-in takes this rank's 1/k slice and the
-        all-gather runs over the k ranks of the post-forward group.
+        From the post-forward (secondary) sharding, the copy-in takes this rank's 1/k slice of the
+        gathered layout and the all-gather runs over the k ranks of the post-forward group.
         """
         if self.state not in (ShardState.SHARDED, ShardState.SECONDARY):
             return self._all_gather
@@ -255,19 +266,20 @@ class ShardedUnit:
                 for i, group in enumerate(self.groups):
                     group.alloc_unsharded()
                     if secondary:
-                        pairs.append((group.unsharded_flat, self._secondary_slice(group)))
+                        pairs.append((group.gathered, group.gathered_slice(*reversed(self._post_forward_slot()))))
                         pairs[-1][1].copy_(secondary[i])
                     elif self.all_gather_dtype is not None and group.param_dtype.is_floating_point:
                         quantized.append(QuantizedAllGather(group, comm))
                         pairs.append((quantized[-1].packed, quantized[-1].local))
                     else:
                         group.copy_in()
-                        pairs.append((group.unsharded_flat, group.shard_slice_of_unsharded()))
+                        pairs.append((group.gathered, group.gathered_slice()))
             with trace.issuing("all_gather", self.name, ag) as issued:
                 for out, source in pairs:
                     works.append(issued.track(comm.all_gather_into_tensor(out, source)))
             event = self.streams.record(ag)
-        self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, issued, quantized)
+        self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, issued, quantized,
+                                           list(self.groups))
         self.state = ShardState.UNSHARDING
         return self._all_gather
 
@@ -294,8 +306,9 @@ class ShardedUnit:
             self.wait_unshard()
         keep = to_secondary and self.post_forward_comm is not None and self.state is ShardState.UNSHARDED
         if keep:
+            k, index = self._post_forward_slot()
             with torch.no_grad():
-                self._secondary = [self._secondary_slice(g).clone() for g in self.groups]
+                self._secondary = [g.secondary_copy(k, index) for g in self.groups]
         elif not (to_secondary and self.state is ShardState.SECONDARY):
             self._secondary = []
         # The all-gather stream owns the buffers: order it after their readers before the free
@@ -324,10 +337,32 @@ class ShardedUnit:
             g.unsharded_accum is not None for g in self.groups)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now: master shard + gradient shard, and unsharded buffers."""
+        """Bytes this rank holds now: master shard + gradient shard, and unsharded buffers
+        (``unsharded_max``: the unsharded buffers when allocated; ``gathered_max``: the gathered
+        buffers that exist besides them while an all-gather lands, until copy-out)."""
         return {
             "sharded": sum(g.sharded_nbytes() for g in self.groups),
             "secondary": sum(t.numel() * t.element_size() for t in self._secondary),
             "unsharded": sum(g.unsharded_flat.untyped_storage().nbytes() for g in self.groups),
             "unsharded_max": sum(g.unsharded_nbytes for g in self.groups),
+            "gathered_max": sum(g.gathered_nbytes for g in self.groups),
         }
+
+
+def finish_copy_out(groups: Sequence[FlatParam], works: Sequence[Work], streams: DeviceStreams | None,
+                    event: "torch.cuda.Event | None") -> "torch.cuda.Event | None":
+    """Wait for the all-gathers and copy each group's gathered buffer out into its unsharded
+    parameters; on CUDA both on the all-gather stream (after ``event``, what was enqueued there
+    before), returning the event recorded after them there (the compute stream waits on it),
+    else None. The gathered buffers were allocated on the all-gather stream and are freed after
+    a copy-out enqueued on it, so their reuse is stream-ordered (see [Note: memory safety without
+    record_stream] in ``streams.py``)."""
+    stream = streams.all_gather if streams is not None else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.no_grad():
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+        for work in works:
+            work.wait()
+        for group in groups:
+            group.copy_out()
+        return streams.record(stream) if stream is not None else None

@@ -1,18 +1,18 @@
 """One face for two FSDP2 implementations, so a ported upstream case runs against both.
 
 A case receives an :class:`Impl`: ``impl.fully_shard``, ``impl.MixedPrecisionPolicy`` ... are
-torch's (``torch.distributed.fsdp``) or flashfsdp's, and the helpers below read a sharded
-parameter the way each implementation stores it:
-
-- torch's ``fully_shard`` turns each parameter into a ``DTensor`` sharded on dim 0 (rows split
-  into W chunks, the last ones possibly shorter or empty);
-- flashfsdp lays a unit's parameters end to end in one flat buffer split into W equal ranges, so
-  a parameter's local piece is a 1-D range of its flattened values (``_flashfsdp_piece``).
+torch's (``torch.distributed.fsdp``) or flashfsdp's. Both turn each parameter into a ``DTensor``
+sharded on dim 0 (rows split into W chunks, the last ones possibly shorter or empty), so the
+helpers below read a sharded parameter the same way for both.
 
 Upstream's ``check_sharded_parity`` compares each local shard with the same shard cut out of the
-replicated reference (``distribute_tensor``); :meth:`Impl.check_sharded_parity` does that for
-both layouts. The reference is upstream's too: a replicated model whose gradients are averaged
-over the ranks after each backward (:func:`average_grads`, what ``replicate``/DDP does).
+replicated reference (``distribute_tensor``); :meth:`Impl.check_sharded_parity` does that, and
+also records the *types* it saw — parameter and gradient class, placements, global shape and
+``to_local()`` shape per parameter (:meth:`Impl.record_types`) — which the runner compares
+between flashfsdp and torch for every case (``runner.py``): a drop-in must give client code the
+same types, not only the same numbers. Cases record state-dict value types the same way. The
+reference is upstream's too: a replicated model whose gradients are averaged over the ranks
+after each backward (:func:`average_grads`, what ``replicate``/DDP does).
 """
 
 from __future__ import annotations
@@ -39,14 +39,29 @@ class CollectiveCounts:
     all_reduce: int = 0
 
 
+def type_of(value) -> tuple:
+    """What client code can read of a value's type: class name, and for a DTensor its placements,
+    global shape and local shape; for a plain tensor its shape. Other values: their class name."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    if isinstance(value, DTensor):
+        return ("DTensor", tuple(str(p) for p in value.placements), tuple(value.shape),
+                tuple(value.to_local().shape), str(value.dtype))
+    if isinstance(value, torch.Tensor):
+        return (type(value).__name__ if type(value) in (torch.Tensor, nn.Parameter) else "Tensor-subclass",
+                tuple(value.shape), str(value.dtype))
+    return (type(value).__name__,)
+
+
 class Impl:
-    """Base: the public names both implementations share, and how to read their shards."""
+    """The public names both implementations share, and how to read their shards (DTensors)."""
 
     name = ""
 
     def __init__(self, api):
         """``api``: the module whose public FSDP2 names this implementation uses."""
         self.api = api
+        self.type_log: list[tuple] = []
         for attr in ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
                      "register_fsdp_forward_method"):
             setattr(self, attr, getattr(api, attr, None))
@@ -54,34 +69,50 @@ class Impl:
     def __repr__(self) -> str:
         return f"Impl({self.name})"
 
+    # ---------------------------------------------------------------- types, compared with torch's
+    def record_types(self, tag: str, values) -> None:
+        """Log :func:`type_of` of ``values`` (a tensor, or a mapping / sequence of them) under
+        ``tag``; the runner compares each case's log with torch's run of the same case."""
+        if isinstance(values, dict):
+            self.type_log.append((tag, tuple((k, type_of(v)) for k, v in values.items())))
+        elif isinstance(values, (list, tuple)):
+            self.type_log.append((tag, tuple(type_of(v) for v in values)))
+        else:
+            self.type_log.append((tag, type_of(values)))
+
+    def take_type_log(self) -> list[tuple]:
+        log, self.type_log = self.type_log, []
+        return log
+
     # ---------------------------------------------------------------- reading shards
     def is_sharded(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is the sharded form (not the unsharded full parameter)."""
-        raise NotImplementedError
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        return isinstance(param, DTensor)
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's values of a sharded parameter or gradient (a plain tensor)."""
-        raise NotImplementedError
+        return tensor.to_local()
 
     def shard_of(self, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """The part of ``full`` (a replicated tensor of ``param``'s full shape) this rank holds."""
-        raise NotImplementedError
+        from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
+
+        return distribute_tensor(full, param.device_mesh, param.placements).to_local()
 
     def full(self, tensor: torch.Tensor, param: torch.Tensor | None = None) -> torch.Tensor:
-        """The full value of a sharded parameter or gradient (collective over the ranks).
-
-        ``param``: the parameter ``tensor`` is the gradient of (flashfsdp's gradients are plain
-        1-D views, the layout is on the parameter).
-        """
-        raise NotImplementedError
+        """The full value of a sharded parameter or gradient (collective over the ranks)."""
+        return tensor.full_tensor() if self.is_sharded(tensor) else tensor
 
     def full_shape(self, param: torch.Tensor) -> torch.Size:
-        raise NotImplementedError
+        return param.shape
 
     def check_sharded_parity(self, ref_model: nn.Module, model: nn.Module, prefixes_to_ignore=(),
                              rtol: float = FP32["rtol"], atol: float = FP32["atol"]) -> None:
         """Upstream's ``check_sharded_parity``: names equal, each local shard equal to the same shard
-        of the reference parameter, and gradients too (None exactly where the reference has None)."""
+        of the reference parameter, and gradients too (None exactly where the reference has None);
+        the types of every parameter and gradient are logged (:meth:`record_types`)."""
         ref_named, named = list(ref_model.named_parameters()), list(model.named_parameters())
         assert len(ref_named) == len(named), f"{len(ref_named)} reference parameters, {len(named)} sharded"
         for (ref_name, ref_param), (name, param) in zip(ref_named, named):
@@ -90,6 +121,7 @@ class Impl:
             assert ref_name == name, f"parameter order differs: {ref_name} vs {name}"
             assert self.is_sharded(param), f"{name} is not sharded"
             assert self.full_shape(param) == ref_param.shape, f"{name}: shape {self.full_shape(param)} vs {ref_param.shape}"
+            self.record_types(f"parity {name}", [param, param.grad])
             torch.testing.assert_close(self.local(param), self.shard_of(ref_param.detach(), param), rtol=rtol,
                                        atol=atol, msg=lambda m, name=name: f"{name}: {m}")
             if ref_param.grad is None:
@@ -110,8 +142,10 @@ class Impl:
 
     # ---------------------------------------------------------------- the API
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """The total norm over every rank (a plain tensor), after clipping."""
-        raise NotImplementedError
+        """The total norm over every rank (a plain tensor), after clipping with the stock
+        ``torch.nn.utils.clip_grad_norm_`` (what FSDP2 code calls)."""
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return norm.full_tensor() if self.is_sharded(norm) else norm
 
     def count_collectives(self) -> contextlib.AbstractContextManager[CollectiveCounts]:
         """Count the all-gathers, reduce-scatters and all-reduces the implementation issues inside."""
@@ -122,7 +156,7 @@ class Impl:
 
 
 class TorchImpl(Impl):
-    """torch.distributed.fsdp (FSDP2): DTensor parameters sharded on dim 0."""
+    """torch.distributed.fsdp (FSDP2)."""
 
     name = "torch"
 
@@ -131,38 +165,13 @@ class TorchImpl(Impl):
 
         super().__init__(fsdp)
 
-    def is_sharded(self, param):
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-        return isinstance(param, DTensor)
-
-    def local(self, tensor):
-        return tensor.to_local()
-
-    def shard_of(self, full, param):
-        from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
-
-        return distribute_tensor(full, param.device_mesh, param.placements).to_local()
-
-    def full(self, tensor, param=None):
-        return tensor.full_tensor()
-
-    def full_shape(self, param):
-        return param.shape
-
-    def clip_grad_norm_(self, model, max_norm, norm_type=2.0):
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
-        return norm.full_tensor() if self.is_sharded(norm) else norm
-
     def count_collectives(self):
         # torch >= 2.13 names the tensor collectives *_single; older releases *_into_tensor / *_tensor.
-        return _counting(dist, {"all_gather": ("all_gather_into_tensor", "all_gather_single"),
-                                "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_single"),
-                                "all_reduce": ("all_reduce",)})
+        return _counting((dist, _TORCH_COLLECTIVES))
 
 
 class FlashImpl(Impl):
-    """flashfsdp: each parameter's local piece is a 1-D range of its flattened values."""
+    """flashfsdp: the same DTensor parameters over each unit's flat shard."""
 
     name = "flashfsdp"
 
@@ -171,71 +180,79 @@ class FlashImpl(Impl):
 
         super().__init__(flashfsdp)
 
-    def is_sharded(self, param):
-        return hasattr(param, "_flashfsdp_piece")
-
     def local(self, tensor):
-        # Reading a piece's own values ends the init window of a meta-initialised model (inside
+        # Reading a chunk's own values ends the init window of a meta-initialised model (inside
         # it, a sharded parameter acts as its full-shape tensor; see flashfsdp's init_window.py).
         from flashfsdp.bindings.init_window import close_init_windows  # noqa: PLC0415
 
         close_init_windows()
-        return tensor.detach().reshape(-1)
-
-    def shard_of(self, full, param):
-        piece = param._flashfsdp_piece
-        n = self.local(param).numel()  # (param.numel() is the full one inside an init window)
-        return full.detach().reshape(-1)[piece.param_start : piece.param_start + n]
-
-    def full(self, tensor, param=None):
-        param = tensor if param is None else param
-        if not self.is_sharded(param):
-            return tensor
-        piece = param._flashfsdp_piece
-        mine = (piece.param_start, tensor.detach().reshape(-1).clone())
-        everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
-        if dist.is_initialized():
-            dist.all_gather_object(everyone, mine)
-        flat = torch.full((self.full_shape(param).numel(),), float("nan"), dtype=tensor.dtype)
-        for start, values in everyone:
-            flat[start : start + values.numel()] = values
-        return flat.view(self.full_shape(param))
-
-    def full_shape(self, param):
-        return param._flashfsdp_full_shape if self.is_sharded(param) else param.shape
-
-    def clip_grad_norm_(self, model, max_norm, norm_type=2.0):
-        return self.api.clip_grad_norm_(model, max_norm, norm_type)
+        return super().local(tensor)
 
     def count_collectives(self):
         from flashfsdp.runtime.process_group import ProcessGroupCommunicator  # noqa: PLC0415
 
-        return _counting(ProcessGroupCommunicator, {"all_gather": ("all_gather_into_tensor",),
-                                                    "reduce_scatter": ("reduce_scatter_tensor",),
-                                                    "all_reduce": ("all_reduce",)})
+        # the units' collectives go through their communicators (flashfsdp's control-plane
+        # collectives, e.g. the same-model check, through torch.distributed: not counted, as they
+        # were not before); DTensor's (the stock clip_grad_norm_'s all-reduce) are functional
+        # collectives, counted under CommDebugMode and added when the block ends
+        return _with_functional(_counting((ProcessGroupCommunicator, {"all_gather": ("all_gather_into_tensor",),
+                                                                      "reduce_scatter": ("reduce_scatter_tensor",),
+                                                                      "all_reduce": ("all_reduce",)})))
 
 
 @contextlib.contextmanager
-def _counting(owner, attrs_by_kind: dict[str, tuple[str, ...]]) -> Iterator[CollectiveCounts]:
-    """Wrap ``owner``'s functions named in ``attrs_by_kind`` (kind -> names) to count calls by kind."""
+def _with_functional(counting) -> Iterator[CollectiveCounts]:
+    """``counting``'s counts plus the functional collectives (DTensor's) issued inside, added at exit."""
+    from torch.distributed.tensor.debug import CommDebugMode  # noqa: PLC0415
+
+    functional = {"all_gather": ("all_gather_into_tensor",), "reduce_scatter": ("reduce_scatter_tensor",),
+                  "all_reduce": ("all_reduce",)}
+    with counting as counts, CommDebugMode() as mode:
+        yield counts
+    by_op = mode.get_comm_counts()
+    for kind, names in functional.items():
+        for ns in (torch.ops.c10d_functional, torch.ops._c10d_functional):
+            for name in names:
+                op = getattr(ns, name, None)
+                if op is not None:
+                    setattr(counts, kind, getattr(counts, kind) + by_op.get(op, 0))
+
+
+_TORCH_COLLECTIVES = {"all_gather": ("all_gather_into_tensor", "all_gather_single"),
+                      "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_single"),
+                      "all_reduce": ("all_reduce",)}
+
+
+@contextlib.contextmanager
+def _counting(*targets: tuple[object, dict[str, tuple[str, ...]]]) -> Iterator[CollectiveCounts]:
+    """Wrap each ``(owner, {kind: attribute names})`` target's functions to count calls by kind.
+    Only the outermost counted call counts (a communicator's collective that calls
+    ``torch.distributed``'s is one collective)."""
     counts = CollectiveCounts()
-    saved = {}
-    for kind, attrs in attrs_by_kind.items():
-        for attr in attrs:
-            orig = getattr(owner, attr, None)
-            if orig is None:
-                continue
-            saved[attr] = orig
+    saved = []
+    depth = [0]
+    for owner, attrs_by_kind in targets:
+        for kind, attrs in attrs_by_kind.items():
+            for attr in attrs:
+                orig = getattr(owner, attr, None)
+                if orig is None:
+                    continue
+                saved.append((owner, attr, orig))
 
-            def counted(*args, _orig=orig, _kind=kind, **kwargs):
-                setattr(counts, _kind, getattr(counts, _kind) + 1)
-                return _orig(*args, **kwargs)
+                def counted(*args, _orig=orig, _kind=kind, **kwargs):
+                    if depth[0] == 0:
+                        setattr(counts, _kind, getattr(counts, _kind) + 1)
+                    depth[0] += 1
+                    try:
+                        return _orig(*args, **kwargs)
+                    finally:
+                        depth[0] -= 1
 
-            setattr(owner, attr, counted)
+                setattr(owner, attr, counted)
     try:
         yield counts
     finally:
-        for attr, orig in saved.items():
+        for owner, attr, orig in reversed(saved):
             setattr(owner, attr, orig)
 
 

@@ -11,7 +11,9 @@ A case that raises on one rank leaves the other ranks inside collectives that wi
 the rank that failed records its traceback and exits at once; the ranks that remain are killed,
 and the remaining cases run in a fresh set of processes. Each (case, implementation) pair is then
 one pytest test: it fails with the rank's traceback, and the ``flashfsdp`` test also compares what
-the case returned with what the ``torch`` run of the same case returned (see :meth:`CaseSet.case`).
+the case returned with what the ``torch`` run of the same case returned (see :meth:`CaseSet.case`),
+and the types the case logged (``Impl.record_types``: every parity check's parameter and gradient
+types, placements and shapes, and the state-dict value types cases record) with torch's.
 """
 
 from __future__ import annotations
@@ -112,6 +114,11 @@ class CaseSet:
                     torch.testing.assert_close(
                         got, exp, rtol=case.rtol, atol=case.atol,
                         msg=lambda m, rank=rank: f"flashfsdp vs torch fully_shard, rank {rank}: {m}")
+            if impl == "flashfsdp" and "torch" in case.impls:
+                want = self._outcome(case, "torch")
+                if "error" not in want:
+                    for rank, (got, exp) in enumerate(zip(outcome["types"], want["types"])):
+                        _assert_same_types(got, exp, rank)
 
         return test_case
 
@@ -121,6 +128,14 @@ class CaseSet:
             jobs = [(c.name, i) for c in self.cases.values() if c.world_size == case.world_size for i in c.impls]
             results = self._results[case.world_size] = run_cases(self.module_name, jobs, case.world_size)
         return results[(case.name, impl)]
+
+
+def _assert_same_types(got: list, want: list, rank: int) -> None:
+    """flashfsdp's logged types (``Impl.record_types``) equal torch's, entry by entry."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"flashfsdp vs torch fully_shard, rank {rank}, types of {w[0]!r}: {g[1]} vs torch's {w[1]}"
+    assert len(got) == len(want), (f"flashfsdp vs torch fully_shard, rank {rank}: {len(got)} type records vs "
+                                   f"torch's {len(want)} (first extra: {(got + want)[min(len(got), len(want))]})")
 
 
 def run_cases(module_name: str, jobs: list[tuple[str, str]], world_size: int) -> dict[tuple[str, str], dict]:
@@ -137,7 +152,8 @@ def run_cases(module_name: str, jobs: list[tuple[str, str]], world_size: int) ->
             for index, job in enumerate(jobs[start:], start):
                 per_rank = [_load(tmp, rank, index - start) for rank in range(world_size)]
                 if all(r is not None and "ok" in r for r in per_rank):
-                    outcomes[job] = {"results": [r["ok"] for r in per_rank]}
+                    outcomes[job] = {"results": [r["ok"] for r in per_rank],
+                                     "types": [r.get("types", []) for r in per_rank]}
                     done = index + 1
                     continue
                 errors = [f"--- rank {rank} ---\n{r['error']}" for rank, r in enumerate(per_rank)
@@ -198,9 +214,11 @@ def _worker(rank: int, world_size: int, module_name: str, jobs, tmp: str) -> Non
         path = os.path.join(tmp, f"rank{rank}-{index}.pt")
         try:
             torch.manual_seed(0)
+            impl_obj = impl_named(impl)
+            impl_obj.take_type_log()
             with use_backend("reference"):
-                result = cases.cases[name].fn(rank, world_size, impl_named(impl))
-            _save({"ok": result}, path)
+                result = cases.cases[name].fn(rank, world_size, impl_obj)
+            _save({"ok": result, "types": impl_obj.take_type_log()}, path)
             dist.barrier()
         except BaseException:
             _save({"error": traceback.format_exc()}, path)

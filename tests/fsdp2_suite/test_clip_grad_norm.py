@@ -5,15 +5,11 @@ global one (all ranks' shards), one all-reduce computes it, and every gradient i
 same coefficient as the reference's.
 
 Upstream calls the stock ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, which works
-for FSDP2 because the gradients are DTensors (the norm is a ``Partial`` DTensor, reduced once).
-flashfsdp's gradients are plain 1-D pieces, so its equivalent is ``flashfsdp.clip_grad_norm_(model,
-...)``; ``impl.clip_grad_norm_`` is the stock function for torch and flashfsdp's for flashfsdp
-(cases ``clip_grad_norm_1d*``). ``clip_grad_norm_1d_stock`` calls the stock function on both, as a
-drop-in user would.
-
-The collective count: upstream counts the functional all-reduces under ``CommDebugMode``; torch's
-DTensor path issues them as functional collectives (``CommDebugMode`` here too), flashfsdp through
-its communicator (``impl.count_collectives()``).
+because the gradients are DTensors (the norm is a ``Partial`` DTensor, reduced once); flashfsdp's
+are the same DTensors, so every case calls the stock function on both implementations, as a
+drop-in user does, and counts the functional all-reduces under ``CommDebugMode`` as upstream does.
+``clip_grad_norm_flashfsdp`` also runs flashfsdp's own ``flashfsdp.clip_grad_norm_`` (one
+all-reduce per unit communicator, through that communicator) against the same reference.
 """
 
 from __future__ import annotations
@@ -37,35 +33,21 @@ UPSTREAM = "test/distributed/_composable/fsdp/test_fully_shard_clip_grad_norm_.p
 NUM_ITERS = 2
 
 
-def count_all_reduces(impl):
-    """Context manager yielding a callable that returns the all-reduces issued inside."""
-    if impl.name == "torch":
+class count_all_reduces:
+    """Context manager yielding a callable that returns the functional all-reduces issued inside
+    (upstream's ``CommDebugMode`` count)."""
+
+    def __enter__(self):
         from torch.distributed.tensor.debug import CommDebugMode  # noqa: PLC0415
 
-        mode = CommDebugMode()
+        self.mode = CommDebugMode()
+        self.mode.__enter__()
+        counts = self.mode.get_comm_counts
+        return lambda: (counts().get(torch.ops.c10d_functional.all_reduce, 0)
+                        + counts().get(torch.ops._c10d_functional.all_reduce, 0))
 
-        class _Counter:
-            def __enter__(self):
-                mode.__enter__()
-                return lambda: (mode.get_comm_counts().get(torch.ops.c10d_functional.all_reduce, 0)
-                                + mode.get_comm_counts().get(torch.ops._c10d_functional.all_reduce, 0))
-
-            def __exit__(self, *exc):
-                return mode.__exit__(*exc)
-
-        return _Counter()
-
-    ctx = impl.count_collectives()
-
-    class _FlashCounter:
-        def __enter__(self):
-            counts = ctx.__enter__()
-            return lambda: counts.all_reduce
-
-        def __exit__(self, *exc):
-            return ctx.__exit__(*exc)
-
-    return _FlashCounter()
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
 
 
 def build_transformer(impl):
@@ -78,9 +60,10 @@ def build_transformer(impl):
     return ref_model, model
 
 
-def _test_clip_grad_norm(rank, impl, max_norm, norm_type, ref_model, model, clip_fn):
+def _test_clip_grad_norm(rank, impl, max_norm, norm_type, ref_model, model, clip_fn, all_reduces_expected=1):
     """Upstream's ``_test_clip_grad_norm``; ``clip_fn(model, max_norm, norm_type)`` clips the sharded
-    model and returns the total norm as a plain tensor (or a DTensor, made full here)."""
+    model and returns the total norm as a plain tensor (or a DTensor, made full here);
+    ``all_reduces_expected``: the functional all-reduces it issues (None: not counted)."""
     vector_norm_fn = functools.partial(torch.linalg.vector_norm, ord=norm_type)
     ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -101,16 +84,14 @@ def _test_clip_grad_norm(rank, impl, max_norm, norm_type, ref_model, model, clip
                                        msg=lambda m, name=name: f"{name}.grad: {m}")
 
         # Check that all gradients have norm greater than the max norm before clipping to ensure
-        # the clipping is not vacuous. (Adapted: a flashfsdp piece may be empty — its unit's flat
-        # range on this rank holds none of the parameter — and an empty piece has norm 0; upstream's
-        # dim-0 shards are never empty at W = 2 for this model.)
+        # the clipping is not vacuous.
         assert all(vector_norm_fn(g).item() > max_norm for g in ref_grads)
-        assert all(vector_norm_fn(g).item() > max_norm for g in local_grads if g.numel() > 0)
+        assert all(vector_norm_fn(g).item() > max_norm for g in local_grads)
 
         # Check gradient norm clipping via total norm and individual gradient norms post-clipping
         ref_total_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=max_norm,
                                                         norm_type=norm_type)
-        with count_all_reduces(impl) as num_all_reduces:
+        with count_all_reduces() as num_all_reduces:
             total_norm = clip_fn(model, max_norm, norm_type)
             all_reduces = num_all_reduces()
         if hasattr(total_norm, "full_tensor"):  # a DTensor (Partial(max) for inf): outside the count, as upstream
@@ -119,15 +100,15 @@ def _test_clip_grad_norm(rank, impl, max_norm, norm_type, ref_model, model, clip
                                    msg=lambda m: f"total norm (norm_type={norm_type}) differs from the "
                                                  f"replicated reference's: {m}")
         # Expect one all-reduce (one mesh dim) for partial -> replicate
-        assert all_reduces == 1, f"{all_reduces} all-reduces for the total norm, upstream expects 1"
+        if all_reduces_expected is not None:
+            assert all_reduces == all_reduces_expected, (f"{all_reduces} all-reduces for the total norm, "
+                                                         f"upstream expects {all_reduces_expected}")
         # For zero gradients, clipping has no effect
         for param, grad in zip(ref_model.parameters(), ref_grads):
             assert vector_norm_fn(param.grad).item() <= max_norm
             if torch.count_nonzero(grad):
                 assert not torch.equal(param.grad, grad)
         for param, grad in zip(model.parameters(), local_grads):
-            if grad.numel() == 0:  # an empty flashfsdp piece (see above): no norm (inf has no identity)
-                continue
             assert vector_norm_fn(impl.local(param.grad)).item() <= max_norm
             if torch.count_nonzero(grad):
                 assert not torch.equal(impl.local(param.grad), grad)
@@ -145,17 +126,15 @@ def stock_clip(model, max_norm, norm_type):
 
 def _clip_grad_norm_1d(rank, impl, norm_type):
     ref_model, model = build_transformer(impl)
-    # torch: upstream's call as it is; flashfsdp: its equivalent over the model.
-    clip_fn = stock_clip if impl.name == "torch" else impl.clip_grad_norm_
-    return _test_clip_grad_norm(rank, impl, 1, norm_type, ref_model, model, clip_fn)
+    return _test_clip_grad_norm(rank, impl, 1, norm_type, ref_model, model, stock_clip)
 
 
 @cases.case()
 def clip_grad_norm_1d_l2(rank, world_size, impl):
     """Upstream: test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d
     (norm_type=2) — the total 2-norm of the sharded gradients equals the replicated reference's, is
-    computed with one all-reduce, and clips every gradient like the reference (stock
-    ``clip_grad_norm_`` for torch, ``flashfsdp.clip_grad_norm_`` for flashfsdp)."""
+    computed with one all-reduce, and clips every gradient like the reference (the stock
+    ``clip_grad_norm_`` on both)."""
     return _clip_grad_norm_1d(rank, impl, 2)
 
 
@@ -173,14 +152,14 @@ def clip_grad_norm_1d_linf(rank, world_size, impl):
     return _clip_grad_norm_1d(rank, impl, math.inf)
 
 
-@cases.case()
-def clip_grad_norm_1d_stock(rank, world_size, impl):
-    """Upstream: test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize2::test_clip_grad_norm_1d
-    (norm_type=2, literally as upstream calls it) — the stock
-    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type, foreach=True)`` on the
-    sharded model returns the global norm and clips like the reference, as a drop-in user calls it."""
+@cases.case(torch_reason="flashfsdp's own clip_grad_norm_ (torch has none over a module)")
+def clip_grad_norm_flashfsdp(rank, world_size, impl):
+    """flashfsdp's ``flashfsdp.clip_grad_norm_(model, max_norm)``: the same global norm and clipped
+    gradients as the replicated reference, through the units' communicators (no DTensor
+    collective: nothing counted under ``CommDebugMode``)."""
     ref_model, model = build_transformer(impl)
-    return _test_clip_grad_norm(rank, impl, 1, 2, ref_model, model, stock_clip)
+    return _test_clip_grad_norm(rank, impl, 1, 2, ref_model, model, impl.api.clip_grad_norm_,
+                                all_reduces_expected=0)
 
 
 test_case = cases.pytest_tests()

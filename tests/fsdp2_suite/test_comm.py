@@ -1275,12 +1275,9 @@ def unshard_async(rank, world_size, impl):
         loss.backward()
         for m in replicated:
             average_grads(m)
-        if impl.name == "torch":
-            from torch.distributed.tensor.experimental import implicit_replication  # noqa: PLC0415
+        from torch.distributed.tensor.experimental import implicit_replication  # noqa: PLC0415
 
-            with implicit_replication():
-                optim.step()
-        else:
+        with implicit_replication():  # (the replicated modules' plain parameters beside DTensors)
             optim.step()
         optim.zero_grad()
         torch.testing.assert_close(loss, ref_loss)

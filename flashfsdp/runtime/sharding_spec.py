@@ -1,0 +1,102 @@
+"""How a unit shows its local chunks to PyTorch: FSDP2's DTensors over views of the flat shard.
+
+A sharded parameter is what ``module.parameters()`` yields outside forward/backward: an
+``nn.Parameter`` holding a ``torch.distributed.tensor.DTensor`` on the unit's mesh, with FSDP2's
+placements (``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on an HSDP mesh), the full
+(global) shape and contiguous stride, and as its local tensor this rank's dim-0 chunk — a view into
+the group's flat shard, so that an optimizer stepping the DTensor writes the shard the all-gather
+reads. Gradients are DTensors of the same placements over views of the flat gradient shard.
+
+Without ``torch.distributed`` initialised (one process, W = 1) there is no mesh to put a DTensor
+on; the parameters are then plain full-shape tensors (the shard *is* the whole parameter).
+
+The DTensors are built as FSDP2 builds them (``_fsdp_common._from_local_no_grad``): straight from a
+``DTensorSpec``, not through ``DTensor.from_local``'s differentiable, argument-checking path.
+
+[Note: DTensor wrapper storage offset]
+torch's C++ DTensor constructor copies the local tensor's storage offset into the wrapper, whose
+storage has no data: a wrapper over a view at a nonzero offset then reports a nonzero
+``data_ptr()``, and ``torch.save`` takes it for a plain tensor and fails ("Attempted to access the
+data pointer on an invalid python storage"). FSDP2 never meets it (each parameter has a tensor of
+its own, its chunk at offset 0); here every chunk after a group's first lies inside the flat shard.
+So the wrappers are made as DTensor made them before that constructor existed — a wrapper
+subclass of the global shape and stride at offset 0, with ``_spec`` and ``_local_tensor`` set —
+and the state dict holds such wrappers too (``bindings/state_dict.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from flashfsdp._torch_private import DTensorSpec, TensorMeta, dtensor_local, make_wrapper_subclass
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (elements)."""
+    strides, step = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(d), 1)
+    return tuple(reversed(strides))
+
+
+class ShardingSpec:
+    """The mesh and placements a unit's local chunks are shown with (one per unit).
+
+    Args:
+        mesh: the unit's ``DeviceMesh`` (1-D, or 2-D ``(replicate, shard)`` for HSDP), or None
+            for a single process without ``torch.distributed`` (plain tensors).
+        placements: the DTensor placements on ``mesh`` (``(Shard(0),)``, or
+            ``(Replicate(), Shard(0))``); ignored without a mesh.
+
+    Raises:
+        ValueError: a mesh without placements, or placements whose count is not the mesh's ndim.
+    """
+
+    def __init__(self, mesh, placements: Sequence = ()):
+        self.mesh = mesh
+        self.placements = tuple(placements)
+        if mesh is not None and len(self.placements) != mesh.ndim:
+            raise ValueError(f"ShardingSpec: {len(self.placements)} placements for a {mesh.ndim}-D mesh")
+
+    @property
+    def is_dtensor(self) -> bool:
+        """Whether the sharded parameters are DTensors (False: plain tensors, no mesh)."""
+        return self.mesh is not None
+
+    def wrap(self, local: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """``local`` (this rank's chunk, any dtype) as a DTensor of global ``shape``; without a
+        mesh, ``local`` itself (which then has the full shape). Not differentiable: the result
+        shares ``local``'s memory and has ``requires_grad=False``."""
+        if self.mesh is None:
+            return local
+        shape = torch.Size(shape)
+        stride = contiguous_strides(shape)
+        spec = DTensorSpec(self.mesh, self.placements, tensor_meta=TensorMeta(shape, stride, local.dtype))
+        out = make_wrapper_subclass(DTensor, shape, strides=stride, storage_offset=0, dtype=local.dtype,
+                                    device=local.device, layout=local.layout, requires_grad=False)
+        out._spec, out._local_tensor = spec, local  # see [Note: DTensor wrapper storage offset]
+        return out
+
+    def parameter(self, local: torch.Tensor, shape: Sequence[int], requires_grad: bool) -> nn.Parameter:
+        """An ``nn.Parameter`` over :meth:`wrap` of ``local``."""
+        return nn.Parameter(self.wrap(local, shape), requires_grad=requires_grad)
+
+    def __repr__(self) -> str:
+        if self.mesh is None:
+            return "ShardingSpec(plain tensors)"
+        return f"ShardingSpec({self.mesh}, {self.placements})"
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (the tensor itself otherwise); no copy, no collective."""
+    return dtensor_local(tensor) if is_dtensor(tensor) else tensor
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor``."""
+    return isinstance(tensor, DTensor)
