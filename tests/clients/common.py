@@ -121,6 +121,13 @@ def assert_same(got, want, what: str) -> None:
     raise AssertionError(f"{what}: got {got!r}, want {want!r}")
 
 
+def assert_sharded_by(model: nn.Module, api) -> None:
+    """Every unit of ``model`` is ``api``'s ``FSDPModule``: a client that reached ``fully_shard``
+    through its own import (patched in the test) really ran the implementation under test."""
+    units = [name for name, m in model.named_modules() if isinstance(m, api.FSDPModule)]
+    assert units and "" in units, f"{api.__name__}: the root is not one of its FSDPModules (units: {units})"
+
+
 def assert_params_contract(model: nn.Module, ref: nn.Module, rank: int) -> None:
     """Every parameter is an ``nn.Parameter`` DTensor ``(Shard(0),)`` with the reference's shape."""
     assert_same(params_summary(model), fsdp2_contract(ref.named_parameters(), rank), "parameters after fully_shard")
@@ -259,4 +266,5 @@ def shard_gpt(model: TinyGPT, api, **kwargs) -> TinyGPT:
     for block in model.h:
         api.fully_shard(block, **kwargs)
     api.fully_shard(model, **kwargs)
+    assert_sharded_by(model, api)
     return model

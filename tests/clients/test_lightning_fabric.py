@@ -22,6 +22,7 @@ from tests.clients.common import (
     assert_grads_contract,
     assert_params_contract,
     assert_shards_of,
+    assert_sharded_by,
     average_grads,
     batches,
     describe,
@@ -95,6 +96,7 @@ def _optimizer_state(model, optimizer) -> dict:
 def _fabric_training(api, rank, ckpt_dir):
     fabric = _fabric(api)
     model, optimizer, ref = _setup(fabric, 0)
+    assert_sharded_by(model.module, api)
     assert_params_contract(model.module, ref, rank)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses = _accumulating_steps(fabric, model, optimizer, ref, ref_opt, rank, 2, 0)

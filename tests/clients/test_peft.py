@@ -26,6 +26,7 @@ from tests.clients.common import (
     assert_params_contract,
     assert_same,
     assert_shards_of,
+    assert_sharded_by,
     average_grads,
     fsdp2_contract,
     local_grads,
@@ -58,6 +59,7 @@ def _lora_training(api, rank, steps=3):
     for layer in model.base_model.model.model.layers:
         api.fully_shard(layer)
     api.fully_shard(model)
+    assert_sharded_by(model, api)
     assert_params_contract(model, ref, rank)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable == [n for n, p in ref.named_parameters() if p.requires_grad] and trainable, trainable
