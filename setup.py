@@ -2,6 +2,11 @@
 
 from setuptools import find_packages, setup
 
+# tests/clients: client libraries run on flashfsdp with the import swapped (pinned: their FSDP2 paths change).
+# torchtitan has its own extra, outside test: torchtitan 0.3.0 requires datasets<4.8 (and so an older
+# huggingface_hub), which would downgrade the suite's.
+CLIENTS = ["peft==0.21.2", "lightning==2.6.6"]
+
 setup(
     name="flashfsdp",
     version="0.1.0",
@@ -23,11 +28,13 @@ setup(
         "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12", "triton>=3.4"],
         "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13", "triton>=3.4"],
         "test": ["triton>=3.4", "pytest", "pytest-timeout", "hypothesis", "matplotlib", "expecttest",
-                 "transformers>=5", "safetensors", "tensorboard", "tokenizers", "datasets", "wandb"],
+                 "transformers>=5", "safetensors", "tensorboard", "tokenizers", "datasets", "wandb", *CLIENTS],
         # flashfsdp-train --tensorboard and --tokenizer (--wandb: pip install wandb)
         "train": ["tensorboard", "tokenizers"],
         "hf": ["transformers>=5", "safetensors"],  # flashfsdp.save_pretrained, flashfsdp-train export
         "bench": ["matplotlib"],
+        "clients": CLIENTS,
+        "titan": ["torchtitan==0.3.0"],  # tests/clients/test_torchtitan.py
     },
     entry_points={"console_scripts": ["flashfsdp-train=flashfsdp_cli.train:main"]},
 )
