@@ -116,6 +116,9 @@ class Trainer:
         self._t_start = time.perf_counter()
         # The rank's peak memory from here on: the model (only shards: built on the meta device),
         # optimizer state, activations; not the interpreter and torch themselves (on CPU).
+        # A first reset returns the allocator's free pages (e.g. a tokenizer's temporaries) to the
+        # OS, so that the RSS the meter starts from is what the process holds, not what it freed.
+        PeakMemoryMeter(device).reset()
         self.memory = PeakMemoryMeter(device)
         self.memory.reset()
         self.config, self.corpus = config, corpus
