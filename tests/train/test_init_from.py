@@ -154,3 +154,40 @@ def test_init_from_takes_the_folders_shape_and_tokenizer(pretrained, tmp_path):
     assert config.tokenizer == str(pretrained / "tokenizer.json")
     assert (config.model.n_layers, config.model.dim, config.model.kv_heads, config.model.max_seq_len) == (LAYERS, 32, 2, 8)
     assert not config.model.tie_embeddings
+
+
+def _copy_with(pretrained, tmp_path, name: str, **changes) -> str:
+    """A copy of the pretrained folder with `changes` made to its config.json."""
+    import shutil  # noqa: PLC0415
+
+    folder = tmp_path / name
+    shutil.copytree(pretrained, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not supported (only 'silu')"),
+    ({"head_dim": 4}, "head_dim 4 x 4 heads != hidden_size 32"),
+    ({"vocab_size": 200}, "the tokenizer's 256 ids do not fit the model's vocab_size 200"),
+])
+def test_configs_the_model_cannot_compute_exactly_are_refused(pretrained, tmp_path, changes, message):
+    folder = _copy_with(pretrained, tmp_path, "changed", **changes)
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig.from_argv(["--init-from", folder, "--out", str(tmp_path / "o")])
+
+
+def test_weights_that_do_not_fit_the_config_are_named(pretrained, tmp_path):
+    wider = _copy_with(pretrained, tmp_path, "wider", intermediate_size=96)
+    config = llama_config(wider)
+    model, _ = build_sharded_model(config, torch.device("cpu"), mixed_precision("fp32", "fp32"), seed=None)
+    with pytest.raises(UsageError, match=r"layers\.0\.feed_forward\.w1\.weight has shape \(64, 32\), the model of "
+                                         r"its config.json has \(96, 32\)"):
+        load_pretrained(model, wider, config)
+    deeper = _copy_with(pretrained, tmp_path, "deeper", num_hidden_layers=LAYERS + 1)
+    config = llama_config(deeper)
+    model, _ = build_sharded_model(config, torch.device("cpu"), mixed_precision("fp32", "fp32"), seed=None)
+    with pytest.raises(UsageError, match=f"the weights have no model.layers.{LAYERS}.input_layernorm.weight"):
+        load_pretrained(model, deeper, config)

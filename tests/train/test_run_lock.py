@@ -84,3 +84,15 @@ def test_the_holder_is_named_even_before_it_wrote_its_record():
     assert "holder unknown" in str(error) and "choose another --out" in str(error)
     with pytest.raises(RunLocked):
         raise error
+
+
+def test_the_loss_plot_marks_where_each_resumption_began(tmp_path):
+    pytest.importorskip("matplotlib")
+    from flashfsdp.train import report  # noqa: PLC0415
+
+    records = [{"step": 0, "val_loss": 5.0, "world_size": 2}, {"step": 1, "train_loss": 4.0},
+               {"step": 1, "val_loss": 4.5, "resumed": True, "world_size": 1}, {"step": 2, "train_loss": 3.5},
+               {"step": 2, "val_loss": 3.9, "resumed": True, "world_size": 2}]
+    (tmp_path / report.METRICS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.resume_steps(str(tmp_path)) == [1, 2]
+    assert report.plot_losses(str(tmp_path), 3.2) == str(tmp_path / report.PLOT)
