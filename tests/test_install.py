@@ -69,11 +69,27 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def _setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
-    """install_requires and extras_require, read from setup.py's literal ``setup(...)`` call."""
+    """install_requires and extras_require, read from setup.py's ``setup(...)`` call: literals, and
+    names of module-level literal lists (``CLIENTS``) unpacked into them."""
     tree = ast.parse((REPO / "setup.py").read_text())
+    names = {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body
+             if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)}
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup")
     keywords = {k.arg: k.value for k in call.keywords}
-    return ast.literal_eval(keywords["install_requires"]), ast.literal_eval(keywords["extras_require"])
+
+    def value(node):
+        if isinstance(node, ast.Name):
+            return names[node.id]
+        if isinstance(node, ast.List):
+            out = []
+            for item in node.elts:
+                out.extend(value(item.value)) if isinstance(item, ast.Starred) else out.append(value(item))
+            return out
+        if isinstance(node, ast.Dict):
+            return {value(k): value(v) for k, v in zip(node.keys, node.values)}
+        return ast.literal_eval(node)
+
+    return value(keywords["install_requires"]), value(keywords["extras_require"])
 
 
 def test_triton_is_in_the_extras_that_need_it_not_in_the_cpu_install():

@@ -47,7 +47,7 @@ BEHAVIOUR = {
     "foreach_mul_", "assert_async", "REGISTRY_KEY", "RegistryItem", "WrapPolicy",
     "saved_tensors_hooks_is_enabled", "top_saved_tensors_default_hooks", "set_code_exec_strategy",
     "FrameExecStrategy", "FrameAction", "ActivationWrapper", "CheckpointImpl",
-    "apply_activation_checkpointing", "checkpoint_wrapper", "c10d_world",
+    "apply_activation_checkpointing", "checkpoint_wrapper", "c10d_world", "DTensorSpec", "TensorMeta",
 }
 def _defined_names() -> set[str]:
     """The names _torch_private.py assigns from ``private(...)`` or ``optional_private(...)``."""
@@ -193,6 +193,30 @@ def test_fsdp1_wrap_helpers():
     tp.post_order_apply(model, lambda m: order.append(type(m).__name__) or None)
     assert order[-1] == "Sequential" and order.count("Linear") == 2
     assert isinstance(tp.WrapPolicy, type) and hasattr(tp.WrapPolicy, "_run_policy")
+
+
+def test_dtensor_spec_and_local_tensor_slot():
+    # A DTensor built from a DTensorSpec (mesh, placements, tensor_meta=TensorMeta(shape, stride,
+    # dtype)) over a wrapper subclass, as runtime/sharding_spec.py builds the sharded parameters,
+    # and its local tensor read and re-pointed through the ``_local_tensor`` slot.
+    from benchmarks.distributed import single_process_group  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+
+    with single_process_group():
+        mesh = init_device_mesh("cpu", (1,))
+        local = torch.arange(6.0).view(3, 2)
+        meta = tp.TensorMeta(torch.Size((3, 2)), (2, 1), torch.float32)
+        spec = tp.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+        out = tp.make_wrapper_subclass(DTensor, torch.Size((3, 2)), strides=(2, 1), storage_offset=0,
+                                       dtype=torch.float32, device=local.device, layout=local.layout,
+                                       requires_grad=False)
+        out._spec, out._local_tensor = spec, local
+        assert out.placements == (Shard(0),) and out.device_mesh is mesh and out.shape == (3, 2)
+        assert tp.dtensor_local(out) is local and torch.equal(out.full_tensor(), local)
+        other = torch.ones(3, 2)
+        tp.set_dtensor_local(out, other)
+        assert tp.dtensor_local(out) is other and torch.equal((out * 2).to_local(), 2 * other)
 
 
 def test_checkpoint_helpers():
