@@ -1,7 +1,7 @@
 """Client code run against torch's FSDP2 and against flashfsdp with only the import swapped.
 
 Every test in this directory runs code the way a client library or a training script writes it
-(nanoGPT, torchtitan, PEFT, Lightning Fabric, accelerate) on W = 2 gloo ranks, once with
+(nanoGPT, torchtitan, PEFT, Lightning Fabric) on W = 2 gloo ranks, once with
 ``torch.distributed.fsdp`` and once with ``flashfsdp`` as the FSDP2 module, on the same seeds.
 A test is parametrised by :data:`IMPLS`: its ``torch`` case checks torch's FSDP2 against the
 contract below and against an unsharded reference (so the test itself is shown to hold, and able
@@ -12,6 +12,10 @@ The contract is what client code relies on after ``fully_shard`` (see :func:`fsd
 every parameter an ``nn.Parameter`` holding a ``DTensor`` sharded ``(Shard(0),)`` on a 1-D mesh of
 W ranks, with the module's global shape and ``torch.chunk``'s rows as its local shape; gradients
 DTensors of the same layout; ``state_dict()`` values DTensors too.
+
+accelerate's FSDP2 path (``FullyShardedDataParallelPlugin(fsdp_version=2)``) has no case here: accelerate
+enables FSDP only on accelerator devices; on CPU (``Accelerator(cpu=True)``, gloo) it sets up
+``MULTI_CPU`` and wraps the model in DDP, the FSDP plugin unused.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from tests.clients.common import (
     tiny_gpt,
 )
 
-lightning = pytest.importorskip("lightning")
+pytest.importorskip("lightning", reason="lightning: pip install -e .[clients]")
 
 
 def _fabric(api):

@@ -36,7 +36,7 @@ from tests.clients.common import (
     run,
 )
 
-peft = pytest.importorskip("peft")
+peft = pytest.importorskip("peft", reason="peft: pip install -e .[clients]")
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 64, 8

@@ -42,7 +42,7 @@ from tests.clients.common import (
     same_on_all_ranks,
 )
 
-pytest.importorskip("torchtitan")
+pytest.importorskip("torchtitan", reason="torchtitan: pip install -e .[titan]")
 
 SEQ, BATCH, MAX_NORM = 32, 2, 1.0
 
