@@ -13,6 +13,7 @@ import torch
 
 from flashfsdp.runtime.communicator import LocalCommunicator
 from flashfsdp.runtime.flat_param import shards_written
+from flashfsdp.runtime.reduce import ReduceLayout
 from flashfsdp.runtime.states import ShardState
 from flashfsdp.runtime.streams import streams_for
 from flashfsdp.runtime.unit import ShardedUnit
@@ -59,12 +60,13 @@ def test_reduction_in_flight_then_accumulated_with_norm_and_flag():
     pending[0].finish()
     group = unit.groups[0]
     want = torch.cat([torch.full((12,), 1.0), torch.full((5,), 2.0)])
-    got = torch.cat([unit.sharded_param(i).grad for i in range(2)])
+    got = torch.cat([unit.sharded_param(i).grad.reshape(-1) for i in range(2)])
+    assert [unit.sharded_param(i).grad.shape for i in range(2)] == [p.shape for p in params]
     assert torch.equal(got, want)
     sq_norm, nonfinite, _ = group.grad_stats
     assert sq_norm.item() == pytest.approx((want ** 2).sum().item()) and not nonfinite
     group.release_unused_grad()
-    assert group.sharded_grad is not None  # the pieces still refer to it
+    assert group.sharded_grad is not None  # the parameters' gradients still refer to it
     for i in range(2):
         unit.sharded_param(i).grad = None
     group.release_unused_grad()
@@ -90,8 +92,11 @@ def test_partly_frozen_group_reduces_only_its_trainable_parameters():
     unit = _unit(params)
     unit.sharded_param(0).requires_grad_(False)
     unit.sharded_param(2).requires_grad_(False)
-    plan = unit.groups[0].reduce_plan()
-    assert plan is not None and plan.packed_size < unit.groups[0].layout.total
+    group = unit.groups[0]
+    sub = group.reduce_layout()  # the reduce-scatter packs the trainable parameter only
+    assert sub is not None and sub.shapes == ((3,),) and sub.shard_size < group.layout.shard_size
+    rlayout = ReduceLayout.of(group)
+    assert rlayout.keep == (1,) and rlayout.segment < group.layout.shard_size
     unit.wait_unshard()
     unit.groups[0].sync_requires_grad()
     unit.unsharded_param(1).grad = torch.tensor([1.0, 2.0, 3.0])
@@ -105,7 +110,7 @@ def test_gathered_parameters_go_stale_when_the_shard_is_written():
     unit.wait_unshard()
     assert not unit.gathered_is_stale()
     with torch.no_grad():
-        unit.sharded_param(0).add_(1)  # an in-place update of a piece (foreach optimizers)
+        unit.sharded_param(0).add_(1)  # an in-place update of a sharded parameter (foreach optimizers)
     assert unit.gathered_is_stale()
     unit.reshard()
     unit.wait_unshard()
@@ -114,11 +119,11 @@ def test_gathered_parameters_go_stale_when_the_shard_is_written():
     assert unit.gathered_is_stale()
 
 
-def test_adopt_takes_converted_pieces_back_into_the_flat_storage():
+def test_adopt_takes_converted_parameters_back_into_the_flat_storage():
     params = _params((3, 2), (4,))
     unit = _unit(params)
-    pieces = [unit.sharded_param(i) for i in range(2)]
-    converted = [torch.nn.Parameter(p.detach().double()) for p in pieces]
+    sharded = [unit.sharded_param(i) for i in range(2)]
+    converted = [torch.nn.Parameter(p.detach().double()) for p in sharded]
     assert unit.adopt(converted)
     group = unit.groups[0]
     assert group.dtype == torch.float64 and group.param_dtype == torch.float64
