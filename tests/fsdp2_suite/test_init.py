@@ -6,9 +6,8 @@ What ``fully_shard`` does at initialisation, checked through what a user can obs
   ``_get_managed_states`` / ``_get_param_module_infos``): here ``unit.unshard()`` shows them, since
   exactly the parameters of that unit become unsharded (full-shape, not sharded) until
   ``unit.reshard()``; shared registrations are checked by identity, sharded and unsharded;
-- the sharded parameters (upstream's ``DTensor`` / ``Shard(0)`` / ``_local_tensor`` checks): through
-  ``impl.is_sharded`` / ``impl.local`` / ``impl.shard_of`` / ``impl.full_shape`` / ``impl.full``, so
-  they hold for torch's dim-0 chunks and for flashfsdp's flat pieces alike;
+- the sharded parameters: upstream's ``DTensor`` / ``Shard(0)`` / size / stride / local-chunk
+  checks, as upstream makes them (both implementations' parameters are such DTensors);
 - lazy initialisation (upstream's ``_is_root`` / ``_state_ctx`` / ``_fsdp_param_group._module_fqn``):
   through which parameters stay unsharded after the root's forward, the parameter names, and the
   errors raised for misuse;
@@ -19,9 +18,9 @@ What ``fully_shard`` does at initialisation, checked through what a user can obs
 
 Upstream runs on CUDA (``device_type``); here everything is on CPU over gloo, and the "move to the
 accelerator" tests become "stays on the mesh's device (cpu)". Where upstream asserts an error that
-exists only because of FSDP2's dim-0 ``DTensor`` layout (scalar / non-contiguous parameters) or its
-lazy-init design (forward through a child before the root), flashfsdp may either raise the same
-kind of error or handle the case correctly: the case then checks that it is handled correctly.
+exists only because of FSDP2's lazy-init design (forward through a child before the root) or an
+implementation limit (non-contiguous parameters), flashfsdp may either raise the same kind of
+error or handle the case correctly: the case then checks that it is handled correctly.
 
 Cases named ``extra_*`` have no upstream test in this file: they cover the behaviours the port was
 asked to check (double ``fully_shard``, ``reshard_after_forward`` values, ``to(float64)`` after
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
@@ -76,36 +76,10 @@ def names_of(module: nn.Module, prefix: str) -> list[str]:
     return sorted(f"{prefix}{n}" for n, _ in module.named_parameters())
 
 
-def shard_of(impl, full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``impl.shard_of(full, param)``, robust to flashfsdp's init window.
-
-    Between ``to_empty`` and a unit's first use, flashfsdp's pieces answer shape queries with the
-    full shape (``param.numel()`` is the full numel; see ``flashfsdp/bindings/init_window.py``),
-    which ``FlashImpl.shard_of`` relies on for the piece's length; here the length is taken from
-    the piece itself (``impl.local``: ``detach()`` is the plain 1-D piece)."""
-    if impl.name != "flashfsdp":
-        return impl.shard_of(full, param)
-    start = param._flashfsdp_piece.param_start
-    return full.detach().reshape(-1)[start : start + impl.local(param).numel()]
-
-
 def write_full_(impl, param: torch.Tensor, full: torch.Tensor) -> None:
     """Give the sharded ``param`` the values of the full tensor ``full`` (this rank's part of it)."""
     with torch.no_grad():
-        impl.local(param).copy_(shard_of(impl, full, param))
-
-
-def make_sharded_like(impl, full: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
-    """A new sharded parameter holding ``full``, laid out like the sharded parameter ``like``.
-
-    torch: ``distribute_tensor`` onto ``like``'s mesh and placements (upstream builds its new
-    ``DTensor`` parameter so); flashfsdp: this rank's piece of ``full`` (its sharded form).
-    """
-    if impl.name == "torch":
-        from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
-
-        return nn.Parameter(distribute_tensor(full.detach(), like.device_mesh, like.placements))
-    return nn.Parameter(shard_of(impl, full, like).clone())
+        impl.local(param).copy_(impl.shard_of(full.detach(), param))
 
 
 def assert_raises(excs, fn, *contains: str) -> BaseException:
@@ -485,19 +459,20 @@ def get_param_module_infos_list_of_mlps(rank, world_size, impl):
 
 # ============================================================================ TestFullyShardShardedParameterTensor
 def _check_1d_sharded_parameters(impl, orig_params, sharded_params) -> None:
-    """Upstream's ``_check_1d_sharded_parameters``: DTensor / Shard(0) / size / local chunk,
-    adapted: sharded, full shape = original shape, local part = that part of the original, and
-    the gathered full value = the original."""
+    """Upstream's ``_check_1d_sharded_parameters``: a DTensor on the global 1-D mesh, the original
+    size and stride, ``(Shard(0),)``, and this rank's ``torch.chunk`` of the original as its local
+    tensor; plus the gathered full value = the original."""
     assert len(orig_params) == len(sharded_params)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
     for orig, p in zip(orig_params, sharded_params):
-        assert impl.is_sharded(p)
-        assert impl.full_shape(p) == orig.shape, (impl.full_shape(p), orig.shape)
-        if impl.name == "torch":
-            from torch.distributed.tensor import Shard  # noqa: PLC0415
-
-            assert p.placements == (Shard(0),) and p.stride() == orig.stride()
-        torch.testing.assert_close(impl.local(p), impl.shard_of(orig, p), rtol=0, atol=0)
-        torch.testing.assert_close(impl.full(p), orig, rtol=0, atol=0)
+        assert isinstance(p, DTensor), type(p)
+        assert p.device_mesh.mesh.tolist() == list(range(world_size)), p.device_mesh
+        assert p.size() == orig.size(), (p.size(), orig.size())
+        assert p.stride() == orig.stride(), (p.stride(), orig.stride())
+        assert p.placements == (Shard(0),), p.placements
+        chunks = torch.chunk(orig, world_size, dim=0)
+        torch.testing.assert_close(p.to_local(), chunks[rank], rtol=0, atol=0)
+        torch.testing.assert_close(p.full_tensor(), orig, rtol=0, atol=0)
 
 
 @cases.case()
@@ -524,22 +499,10 @@ def shard_tensor_parameters(rank, world_size, impl):
 def raise_scalar_parameter(rank, world_size, impl):
     """Upstream: test_fully_shard_init.py::TestFullyShardShardedParameterTensor::test_raise_scalar_parameter.
 
-    FSDP2 refuses a scalar (0-dim) parameter, which has no dim 0 to shard (ValueError naming it).
-    flashfsdp shards the flattened unit, where a scalar is one element: it may refuse it the same
-    way, or else must shard it correctly (its full value gathers back, shape ())."""
+    A scalar (0-dim) parameter has no dim 0 to shard: ValueError naming it."""
     model = nn.Sequential(*[MLP(3, dim_multiplier=3) for _ in range(3)])
     model.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
-    if impl.name == "torch":
-        assert_raises(ValueError, lambda: impl.fully_shard(model), "Change scalar_p to a 1D tensor")
-        return None
-    try:
-        impl.fully_shard(model)
-    except ValueError as e:
-        assert "scalar_p" in str(e), e
-        return None
-    assert impl.full_shape(model.scalar_p) == torch.Size([])
-    torch.testing.assert_close(impl.full(model.scalar_p), torch.tensor(1.0), rtol=0, atol=0)
-    return None
+    assert_raises(ValueError, lambda: impl.fully_shard(model), "Change scalar_p to a 1D tensor with numel equal to 1.")
 
 
 @cases.case()
@@ -690,11 +653,10 @@ def reset_sharded_param_in_lazy_init(rank, world_size, impl):
 
     A model built on the meta device and fully_shard'ed (layer1, layer2, root); only the layers
     are materialised (``to_empty``), then the root's ``weight_norm`` parameter (still on meta) is
-    replaced by a new sharded parameter computed from the layers' weights. The first forward must
-    pick up the new parameter, and forward/backward must run. Upstream computes it from the local
-    rows of the DTensor weights (``linalg.norm(..., dim=1)``); here from the full weights, laid
-    out as the old sharded parameter (:func:`make_sharded_like`). Upstream leaves the layers'
-    values uninitialised; here they get seeded values, so loss and gradients are compared with an
+    replaced by a new parameter computed, as upstream does, from the layers' sharded weights
+    (``linalg.norm(..., dim=1)`` of the DTensors: a ``Shard(0)`` DTensor). The first forward must
+    pick up the new parameter, and forward/backward must run. Upstream leaves the layers' values
+    uninitialised; here they get seeded values, so loss and gradients are compared with an
     unsharded model."""
     with torch.device("meta"):
         model = WeightNormModel()
@@ -708,10 +670,11 @@ def reset_sharded_param_in_lazy_init(rank, world_size, impl):
     write_full_(impl, model.layer1.weight, ref.layer1.weight)
     write_full_(impl, model.layer2.weight, ref.layer2.weight)
     with torch.no_grad():
-        norm = torch.linalg.norm(impl.full(model.layer1.weight), dim=1) + torch.linalg.norm(
-            impl.full(model.layer2.weight), dim=1)
-        ref.weight_norm.copy_(norm)
-    model.weight_norm = make_sharded_like(impl, norm, model.weight_norm)
+        weight_norm = torch.linalg.norm(model.layer1.weight, dim=1) + torch.linalg.norm(model.layer2.weight, dim=1)
+    impl.record_types("weight_norm", weight_norm)
+    model.weight_norm = nn.Parameter(weight_norm)
+    with torch.no_grad():
+        ref.weight_norm.copy_(torch.linalg.norm(ref.layer1.weight, dim=1) + torch.linalg.norm(ref.layer2.weight, dim=1))
     rank_seed(rank)
     inp = torch.randn(3, 3)
     loss = model(inp).sum()
@@ -835,9 +798,8 @@ def rank0_broadcast_meta_device_init(rank, world_size, impl):
 
     Rank 0 holds a full CPU state dict; every rank builds the Transformer on meta, fully_shards it
     (blocks, root), builds a sharded state dict by broadcasting each full tensor from rank 0 and
-    keeping its part (torch: ``distribute_tensor`` onto the placements of ``model.state_dict()``'s
-    values; flashfsdp: a ``ShardedPiece`` of the range of ``model.state_dict()``'s piece) and loads it
-    with ``load_state_dict(assign=True)``. The result must equal a reference broadcast and sharded
+    keeping its part (``distribute_tensor`` onto the mesh and placements of ``model.state_dict()``'s
+    DTensor values) and loads it with ``load_state_dict(assign=True)``. The result must equal a reference broadcast and sharded
     normally: parameters, then loss and gradients of one forward/backward."""
     model_args = ModelArgs(dropout_p=0.0)
     if rank == 0:
@@ -853,6 +815,7 @@ def rank0_broadcast_meta_device_init(rank, world_size, impl):
         assert p.device == torch.device("meta")
 
     meta_sharded_sd = model.state_dict()
+    impl.record_types("state_dict on meta", meta_sharded_sd)
     sharded_sd = {}
     if rank == 0:
         assert list(meta_sharded_sd.keys()) == list(full_sd.keys())
@@ -862,17 +825,11 @@ def rank0_broadcast_meta_device_init(rank, world_size, impl):
         else:
             full = torch.empty(meta_value.size(), dtype=meta_value.dtype)
         dist.broadcast(full, src=0)
-        if impl.name == "torch":
-            from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
-
-            sharded_sd[name] = nn.Parameter(distribute_tensor(full, meta_value.device_mesh, meta_value.placements))
-        else:
-            n = meta_value.local().numel()
-            piece = full.reshape(-1)[meta_value.start : meta_value.start + n].clone()
-            sharded_sd[name] = impl.api.ShardedPiece(piece, full.shape, meta_value.start, fqn=name)
+        sharded_sd[name] = nn.Parameter(distribute_tensor(full, meta_value.device_mesh, meta_value.placements))
     model.load_state_dict(sharded_sd, assign=True)
     for p in model.parameters():
-        assert impl.is_sharded(p) and p.device.type == "cpu"
+        assert isinstance(p, DTensor) and p.device.type == "cpu"
+    impl.record_types("state_dict after load", model.state_dict())
 
     if rank != 0:
         ref_model = Transformer(model_args)
@@ -948,9 +905,8 @@ def custom_hsdp_all_reduce_hook(rank, world_size, impl):
     ``DeviceMesh.from_group``), and ``set_all_reduce_hook`` averaging each reduce-scatter output
     over the inter-"node" group ({0, 2}, {1, 3}). Replica 0 has all-zero weights, replica 1
     constants (in_proj 1, out_proj 2), so the averaged gradients are out_proj 22.5 everywhere and
-    in_proj rows ``arange(0, 100, 10)``. Upstream checks torch's local dim-0 chunks; here each
-    local part against the same part of those full gradients. gloo has no ``ReduceOp.AVG``: the
-    hook sums and divides by the inter group's size."""
+    in_proj rows ``arange(0, 100, 10)``; each rank's local dim-0 chunks are checked as upstream
+    does. gloo has no ``ReduceOp.AVG``: the hook sums and divides by the inter group's size."""
     intra_pg, _ = dist.new_subgroups(2)
     inter_pg = None
     for local_rank in range(2):  # every rank creates every inter group
@@ -976,12 +932,10 @@ def custom_hsdp_all_reduce_hook(rank, world_size, impl):
     inp = torch.arange(10, dtype=torch.float32, requires_grad=True).view(1, 10)
     model(inp).sum().backward()
     assert hook_called
-    full_out = torch.full((10, 40), 22.5)
-    full_in = torch.arange(0, 100, 10, dtype=torch.float32).repeat(40, 1)
-    torch.testing.assert_close(impl.local(model.out_proj.weight.grad), impl.shard_of(full_out, model.out_proj.weight),
-                               rtol=0, atol=0)
-    torch.testing.assert_close(impl.local(model.in_proj.weight.grad), impl.shard_of(full_in, model.in_proj.weight),
-                               rtol=0, atol=0)
+    # within each replica the weights are sharded on dim 0: half of each with this 2x2 setup
+    torch.testing.assert_close(model.out_proj.weight.grad.to_local(), torch.full((5, 40), 22.5), rtol=0, atol=0)
+    torch.testing.assert_close(model.in_proj.weight.grad.to_local(),
+                               torch.arange(0, 100, 10, dtype=torch.float32).repeat(20, 1), rtol=0, atol=0)
 
 
 # ============================================================================ TestFullyShardShardPlacementFn
@@ -993,9 +947,8 @@ def init_1d_transformer_shard_dim0(rank, world_size, impl):
     here n_layers=2, W=2), returning ``Shard(0)`` for every parameter, then returning ``None`` (the
     default placement): the sharded parameters gather back to the reference's values, and a
     forward/backward matches the replicated reference. Upstream's largest-dim / ``Shard(-1)`` /
-    ``Shard(1)`` placements are not applicable (flat units shard the flattened unit)."""
-    from torch.distributed.tensor import Shard  # noqa: PLC0415
-
+    ``Shard(1)`` placements are not ported: flashfsdp shards dim 0 only (another placement raises
+    NotImplementedError)."""
     losses = []
     for placement_fn in (lambda param: Shard(0), lambda param: None):
         torch.manual_seed(42)
@@ -1007,10 +960,8 @@ def init_1d_transformer_shard_dim0(rank, world_size, impl):
             impl.fully_shard(layer, shard_placement_fn=placement_fn)
         impl.fully_shard(model, shard_placement_fn=placement_fn)
         for p, ref_p in zip(model.parameters(), ref.parameters()):
-            assert impl.is_sharded(p)
-            if impl.name == "torch":
-                assert p.placements == (Shard(0),)
-            torch.testing.assert_close(impl.full(p), ref_p.detach(), rtol=0, atol=0)
+            assert isinstance(p, DTensor) and p.placements == (Shard(0),), (type(p), p.placements)
+            torch.testing.assert_close(p.full_tensor(), ref_p.detach(), rtol=0, atol=0)
         rank_seed(rank)
         inp = torch.randint(0, 8, (2, 16))
         losses += train_parity(impl, ref, model, lambda i: inp, steps=1)

@@ -6,12 +6,10 @@ sharded parameters in place; the state dict is sharded also after a forward that
 parameters unsharded; the values stay the parameters' storage across optimizer steps; a full state
 dict on rank 0 (CPU) equals the unsharded model's.
 
-torch's values are DTensors (``Shard(0)``), flashfsdp's are ``flashfsdp.ShardedPiece`` (the
-parameter's full shape around this rank's 1-D range of the flattened parameter). Upstream's DTensor
-calls are adapted through the helpers below (``to_local()`` -> :func:`sd_local`, ``full_tensor()``
--> :func:`sd_full`, ``distribute_tensor`` -> :func:`sharded_value`); the operations upstream runs on
-state-dict values themselves (``detach().clone().fill_()``) are kept as they are in
-``dp_state_dict_save_load_value_ops``.
+The values are DTensors (``Shard(0)``) for both implementations, read as upstream reads them
+(``to_local()``, ``full_tensor()``, ``distribute_tensor``); every state dict a case takes (model,
+and optimizer where the case has one) has its value types recorded (``Impl.record_types``: class,
+placements, global and local shape, dtype), which the runner compares with torch's run.
 
 Beyond upstream's file, the brief asks for the state-dict paths FSDP2 users rely on, each named
 after the upstream test it extends: DCP (``torch.distributed.checkpoint``) save and load into another
@@ -34,6 +32,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
@@ -46,50 +45,25 @@ UPSTREAM = "test/distributed/_composable/fsdp/test_fully_shard_state_dict.py"
 
 
 # ============================================================================ helpers
-def sd_is_sharded(impl, value) -> bool:
-    """Whether a state-dict value is the implementation's sharded value (upstream: ``isinstance(v, DTensor)``)."""
-    if impl.name == "torch":
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-        return isinstance(value, DTensor)
-    return isinstance(value, impl.api.ShardedPiece)
-
-
-def sd_local(impl, value) -> torch.Tensor:
-    """This rank's values of a sharded state-dict value (upstream: ``to_local()``)."""
-    return value.to_local() if impl.name == "torch" else value.local()
-
-
-def sd_full(impl, value) -> torch.Tensor:
-    """The full tensor of a sharded state-dict value (upstream: ``full_tensor()``); collective."""
-    if impl.name == "torch":
-        return value.full_tensor()
-    mine = (value.start, value.local().detach().clone())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    flat = torch.full((value.shape.numel(),), float("nan"), dtype=value.dtype)
-    for start, local in everyone:
-        flat[start : start + local.numel()] = local
-    return flat.view(value.shape)
+def flat_items(tree, prefix: str = "") -> dict:
+    """A (possibly nested) state dict as one flat mapping ``"a.b.c" -> leaf`` (optimizer state
+    dicts nest ``state`` / parameter / key and hold lists in ``param_groups``)."""
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(flat_items(value, f"{prefix}{key}."))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for i, value in enumerate(tree):
+            out.update(flat_items(value, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: tree}
 
 
-def sharded_value(impl, full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """A sharded state-dict value of ``param`` holding ``full`` (upstream: ``distribute_tensor(full,
-    param.device_mesh, param.placements)``)."""
-    if impl.name == "torch":
-        from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
-
-        return distribute_tensor(full, param.device_mesh, param.placements)
-    return impl.api.ShardedPiece(impl.shard_of(full, param).clone(), impl.full_shape(param),
-                                 param._flashfsdp_piece.param_start)
-
-
-def filled_like(impl, value, fill) -> torch.Tensor:
-    """A new sharded value like ``value`` whose local values are all ``fill`` (upstream builds it with
-    ``value.detach().clone().fill_(fill)``, see ``dp_state_dict_save_load_value_ops`` for that call)."""
-    if impl.name == "torch":
-        return value.detach().clone().fill_(fill)
-    return impl.api.ShardedPiece(torch.full_like(value.local(), fill), value.shape, value.start)
+def record_sd(impl, tag: str, state_dict) -> None:
+    """Record the types of every value of ``state_dict`` (nested: flattened) under ``tag``."""
+    impl.record_types(tag, flat_items(state_dict))
 
 
 class shared_tmpdir:
@@ -135,7 +109,7 @@ def assert_equal(got, expected, what: str, rtol=0.0, atol=0.0) -> None:
 def _test_state_dict_save_load(rank, impl, model: nn.Module) -> int:
     """Upstream's ``_test_state_dict_save_load``."""
     for name, param in model.named_parameters():
-        assert impl.is_sharded(param), f"expects parameters to be sharded but got {name} as {type(param)}"
+        assert isinstance(param, DTensor), f"expects parameters to be sharded as DTensors but got {name} as {type(param)}"
     old_fill_value = 1
     new_fill_value = 42 + rank
     with torch.no_grad():
@@ -143,46 +117,44 @@ def _test_state_dict_save_load(rank, impl, model: nn.Module) -> int:
             param.fill_(old_fill_value)
     # Use that the parameters are currently sharded, meaning that their data pointers correspond to
     # the sharded parameter data
-    param_name_to_data_ptr = {n: impl.local(p).data_ptr() for n, p in model.named_parameters()}
+    param_name_to_data_ptr = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
     ref_sharded_sizes = [p.size() for p in model.parameters()]
     state_dict = model.state_dict()
+    record_sd(impl, "state_dict", state_dict)
     for param, ref_sharded_size in zip(model.parameters(), ref_sharded_sizes):
         assert param.size() == ref_sharded_size
         assert isinstance(param, nn.Parameter)
 
-    # Verify that keys match, values are sharded, and values share the same storage as the existing
+    # Verify that keys match, values are DTensors, and values share the same storage as the existing
     # sharded parameter data
     assert set(state_dict.keys()) == set(param_name_to_data_ptr.keys()), (
         f"{sorted(state_dict)} vs {sorted(param_name_to_data_ptr)}")
     for name, tensor in state_dict.items():
-        assert sd_is_sharded(impl, tensor), f"{name}: {type(tensor).__name__} is not a sharded value"
+        assert isinstance(tensor, DTensor), f"{name}: {type(tensor).__name__} is not a DTensor"
         if param_name_to_data_ptr[name] == 0:
-            # Check that this is padding (added by DTensor, on trailing ranks only). Adapted: a flashfsdp
-            # piece is empty when this rank's range of the unit's flat buffer holds none of the
-            # parameter, which can be any rank's.
-            if impl.name == "torch":
-                assert rank > 0
-            else:
-                assert sd_local(impl, tensor).numel() == 0, f"{name}: null data pointer but a non-empty piece"
-            assert torch.count_nonzero(sd_local(impl, tensor)).item() == 0
+            # Check that this is padding (added by DTensor)
+            assert rank > 0, f"{name}: null data pointer on rank 0"
+            assert torch.count_nonzero(tensor.to_local()).item() == 0
         else:
-            assert sd_local(impl, tensor).data_ptr() == param_name_to_data_ptr[name], (
+            assert tensor.to_local().data_ptr() == param_name_to_data_ptr[name], (
                 f"{name}: the state-dict value does not share the sharded parameter's storage")
 
-    # Verify that we can load a new state dict that contains sharded values with storages different
-    # from the current model parameters
-    new_state_dict = {name: filled_like(impl, value, new_fill_value) for name, value in state_dict.items()}
+    # Verify that we can load a new state dict that contains DTensors with storages different from
+    # the current model parameters
+    new_state_dict = {}
+    for name, dtensor in state_dict.items():
+        # Construct new DTensors to exercise load state dict writeback
+        new_state_dict[name] = dtensor.detach().clone().fill_(new_fill_value)
+    record_sd(impl, "new state_dict", new_state_dict)
     for param in model.parameters():
-        assert_equal(impl.local(param), torch.ones_like(impl.local(param)) * old_fill_value, "before load")
+        assert_equal(param.to_local(), torch.ones_like(param.to_local()) * old_fill_value, "before load")
     model.load_state_dict(new_state_dict)
     for name, param in model.named_parameters():
-        local_param = impl.local(param)
-        assert_equal(local_param, torch.ones_like(local_param) * new_fill_value, f"{name} after load")
+        assert_equal(param.to_local(), torch.ones_like(param.to_local()) * new_fill_value, f"{name} after load")
+        local_param = param.to_local()
         # Only guarantee that the local tensor's data pointer does not change if the sharding was even
-        # (i.e. no padding); otherwise, FSDP may re-pad the local tensor, changing its data pointer.
-        # (flashfsdp writes into its flat shard in place: always the same pointer.)
-        even = impl.name == "flashfsdp" or local_param.size(0) * dist.get_world_size() == param.size(0)
-        if even:
+        # (i.e. no padding); otherwise, FSDP may re-pad the local tensor, changing its data pointer
+        if local_param.size(0) * param.device_mesh.size() == param.size(0):
             assert local_param.data_ptr() == param_name_to_data_ptr[name], f"{name}: data pointer changed on load"
     return len(state_dict)
 
@@ -205,40 +177,23 @@ def _test_dp_state_dict_save_load(rank, impl, mlp_dim: int) -> list[int]:
     model2(inp)  # parameters are not resharded after this forward
     # Check that state dict hooks reshard
     sharded_sd = model2.state_dict()
+    record_sd(impl, "state_dict after forward", sharded_sd)
     assert set(ref_sharded_sd.keys()) == set(sharded_sd.keys())
     for key, value in ref_sharded_sd.items():
-        assert sd_is_sharded(impl, sharded_sd[key]), f"{key}: state dict after forward is not sharded"
-        assert sharded_sd[key].shape == value.shape
-        assert_equal(sd_local(impl, sharded_sd[key]), sd_local(impl, value), f"{key} after forward")
+        assert isinstance(sharded_sd[key], DTensor), f"{key}: state dict after forward is not a DTensor"
+        assert sharded_sd[key].placements == value.placements and sharded_sd[key].shape == value.shape
+        assert_equal(sharded_sd[key].to_local(), value.to_local(), f"{key} after forward")
     return out
 
 
 @cases.case()
 def dp_state_dict_save_load(rank, world_size, impl):
     """Upstream: test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load
-    (1-D mesh, mlp_dim 2..5) — state-dict keys equal the parameter names, values are sharded and share
-    the sharded parameters' storage, loading new sharded values writes them in place, and with
-    ``reshard_after_forward=False`` the state dict after a forward is the sharded one from before.
-    New values are built per implementation (``filled_like``; upstream's ``clone().fill_()`` on the
-    value is ``dp_state_dict_save_load_value_ops``)."""
+    (1-D mesh, mlp_dim 2..5) — state-dict keys equal the parameter names, values are DTensors sharing
+    the sharded parameters' storage, loading new DTensors (``value.detach().clone().fill_(v)``)
+    writes them in place, and with ``reshard_after_forward=False`` the state dict after a forward
+    is the sharded one from before."""
     return [_test_dp_state_dict_save_load(rank, impl, mlp_dim) for mlp_dim in (2, 3, 4, 5)]
-
-
-@cases.case()
-def dp_state_dict_save_load_value_ops(rank, world_size, impl):
-    """Upstream: test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load
-    (its construction of new values, as upstream writes it) — ``value.detach().clone().fill_(v)`` on a
-    state-dict value gives a new sharded value of the same shape that ``load_state_dict`` writes into
-    the parameters (DTensors support every op; this is what user code does to state-dict values)."""
-    model = shard_children(impl, mlp_stack(3))
-    state_dict = model.state_dict()
-    new_state_dict = {name: value.detach().clone().fill_(42 + rank) for name, value in state_dict.items()}
-    for name, value in new_state_dict.items():
-        assert sd_is_sharded(impl, value) and value.shape == state_dict[name].shape
-    model.load_state_dict(new_state_dict)
-    for name, param in model.named_parameters():
-        assert_equal(impl.local(param), torch.full_like(impl.local(param), 42 + rank), f"{name} after load")
-    return len(state_dict)
 
 
 @cases.case()
@@ -256,13 +211,14 @@ def dp_state_dict_save_load_mid_step(rank, world_size, impl):
     losses = []
     for step in range(2):
         inp = torch.randn((2, 4))
-        before = {k: sd_local(impl, v).clone() for k, v in model.state_dict().items()}
+        before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
         loss = model(inp).sum()
         sharded_sd = model.state_dict()  # parameters are unsharded here
+        record_sd(impl, f"step {step}: state_dict between forward and backward", sharded_sd)
         assert set(sharded_sd) == set(before)
         for key, value in sharded_sd.items():
-            assert sd_is_sharded(impl, value), f"step {step}: {key} is not sharded between forward and backward"
-            assert_equal(sd_local(impl, value), before[key], f"step {step}: {key} between forward and backward")
+            assert isinstance(value, DTensor), f"step {step}: {key} is not sharded between forward and backward"
+            assert_equal(value.to_local(), before[key], f"step {step}: {key} between forward and backward")
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -273,6 +229,7 @@ def dp_state_dict_save_load_mid_step(rank, world_size, impl):
         ref_optim.zero_grad()
         assert_equal(loss.detach(), ref_loss.detach(), f"step {step} loss", rtol=1.3e-6, atol=1e-5)
         impl.check_sharded_parity(ref_model, model)
+        record_sd(impl, f"step {step}: optim state_dict", optim.state_dict())
         losses.append(loss.detach())
     return {"losses": losses, "params": impl.full_params(model)}
 
@@ -295,7 +252,7 @@ def dp_state_dict_save_load_dcp_relayout(rank, world_size, impl):
     outs = {}
 
     def check(model, what):
-        full = {n: impl.full(p).detach() if impl.is_sharded(p) else p.detach() for n, p in model.named_parameters()}
+        full = {n: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
         for name, value in expected_sd.items():
             got = full[name] if name in full else model.get_buffer(name)
             assert_equal(got, value, f"{what}: {name}")
@@ -304,12 +261,14 @@ def dp_state_dict_save_load_dcp_relayout(rank, world_size, impl):
 
     with shared_tmpdir() as tmp:
         sharded = shard_children(impl, copy.deepcopy(source))
+        record_sd(impl, "saved state_dict", sharded.state_dict())
         dcp.save(sharded.state_dict(), checkpoint_id=os.path.join(tmp, "sharded"))
 
         # Another layout: the whole model as one unit, other initial values
         one_unit = impl.fully_shard(mlp_stack(mlp_dim, seed=7, with_buffer=True))
         sd = one_unit.state_dict()
         dcp.load(sd, checkpoint_id=os.path.join(tmp, "sharded"))
+        record_sd(impl, "one unit: loaded state_dict", sd)
         one_unit.load_state_dict(sd)
         check(one_unit, "sharded -> one unit")
 
@@ -325,6 +284,7 @@ def dp_state_dict_save_load_dcp_relayout(rank, world_size, impl):
         target = shard_children(impl, mlp_stack(mlp_dim, seed=7, with_buffer=True), reshard_after_forward=False)
         sd = target.state_dict()
         dcp.load(sd, checkpoint_id=os.path.join(tmp, "plain"))
+        record_sd(impl, "unsharded -> sharded: loaded state_dict", sd)
         target.load_state_dict(sd)
         check(target, "unsharded -> sharded")
     return outs
@@ -361,8 +321,10 @@ def dp_state_dict_save_load_dsd_sharded(rank, world_size, impl):
     _train_steps(model, optim, inputs[:2])
     with shared_tmpdir() as tmp:
         msd, osd = get_state_dict(model, optim)
+        record_sd(impl, "get_state_dict model", msd)
+        record_sd(impl, "get_state_dict optim", osd)
         for name, value in msd.items():
-            assert sd_is_sharded(impl, value), f"get_state_dict: {name} is not sharded"
+            assert isinstance(value, DTensor), f"get_state_dict: {name} is not a DTensor"
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
         expected = _train_steps(model, optim, inputs[2:])
 
@@ -370,6 +332,8 @@ def dp_state_dict_save_load_dsd_sharded(rank, world_size, impl):
         optim2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
         msd2, osd2 = get_state_dict(model2, optim2)
         dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=tmp)
+        record_sd(impl, "loaded model", msd2)
+        record_sd(impl, "loaded optim", osd2)
         set_state_dict(model2, optim2, model_state_dict=msd2, optim_state_dict=osd2)
         resumed = _train_steps(model2, optim2, inputs[2:])
     assert_equal(torch.stack(resumed), torch.stack(expected), "losses after resuming", rtol=1.3e-6, atol=1e-5)
@@ -421,6 +385,8 @@ def dp_state_dict_save_load_dsd_full_set(rank, world_size, impl):
         losses = _train_steps(model, optim, inputs[1:])
         assert_equal(torch.stack(losses), torch.stack(ref_losses), "losses", rtol=1.3e-6, atol=1e-5)
         impl.check_sharded_parity(ref_model, model)
+        record_sd(impl, f"broadcast_from_rank0={broadcast_from_rank0}: state_dict", model.state_dict())
+        record_sd(impl, f"broadcast_from_rank0={broadcast_from_rank0}: optim state_dict", optim.state_dict())
         out[f"broadcast_from_rank0={broadcast_from_rank0}"] = {"losses": losses, "params": impl.full_params(model)}
     return out
 
@@ -433,19 +399,20 @@ def _test_cached_state_dict(rank, impl, mlp_dim: int, mutate_after_state_dict: b
 
     # call .state_dict() once and use `sd` directly to reduce cpu overhead
     sd = model.state_dict()
-    assert impl.is_sharded(model.weight), f"expected a sharded parameter, got {type(model.weight)}"
+    record_sd(impl, "state_dict", sd)
+    assert isinstance(model.weight, DTensor), f"Expected DTensor, got {type(model.weight)}"
 
     def storage_ptr(t):
         return t.untyped_storage().data_ptr()
 
     if not mutate_after_state_dict:
-        assert storage_ptr(sd_local(impl, sd["weight"])) == storage_ptr(impl.local(model.weight))
+        assert storage_ptr(sd["weight"]._local_tensor) == storage_ptr(model.weight._local_tensor)
     else:
         # Upstream: model.cpu(); model.cuda() (a move that re-creates the sharded storage). On a CPU-only
         # machine the round trip through another dtype is the re-creating move (values exact).
         model = model.to(torch.float64)
         model = model.to(torch.float32)
-        assert storage_ptr(sd_local(impl, sd["weight"])) != storage_ptr(impl.local(model.weight))
+        assert storage_ptr(sd["weight"]._local_tensor) != storage_ptr(model.weight._local_tensor)
 
     torch.manual_seed(42 + rank)
     inp = torch.rand(mlp_dim, mlp_dim)
@@ -453,7 +420,7 @@ def _test_cached_state_dict(rank, impl, mlp_dim: int, mutate_after_state_dict: b
     for _ in range(5):
         losses.append(train_step(model, optim, inp))
         if not mutate_after_state_dict:
-            assert storage_ptr(sd_local(impl, sd["weight"])) == storage_ptr(impl.local(model.weight)), (
+            assert storage_ptr(sd["weight"]._local_tensor) == storage_ptr(model.weight._local_tensor), (
                 "the cached state dict no longer shares the parameter's storage after an optimizer step")
     return losses
 
@@ -486,10 +453,11 @@ def _test_dp_state_dict_cpu_offload(impl, offload_policy):
     # split full sd into multiple pieces to test loading with `strict=False`
     state_dicts = []
     full_values = {}
-    for name, param in model.named_parameters():
-        full_tensor = torch.randn(impl.full_shape(param))
+    for name, dtensor in model.named_parameters():
+        full_tensor = torch.randn(dtensor.size())
         full_values[name] = full_tensor
-        state_dicts.append({name: sharded_value(impl, full_tensor, param).cpu()})
+        sharded_tensor = distribute_tensor(full_tensor, dtensor.device_mesh, dtensor.placements)
+        state_dicts.append({name: sharded_tensor.cpu()})
     # check that we can load with some parameters still on meta device
     for sd in state_dicts:
         model.load_state_dict(sd, assign=True, strict=False)
@@ -498,6 +466,7 @@ def _test_dp_state_dict_cpu_offload(impl, offload_policy):
     inp = torch.rand((mlp_dim, mlp_dim))
     out = model(inp).sum()
     state_dict = model.state_dict()
+    record_sd(impl, "state_dict", state_dict)
     for name, value in state_dict.items():
         assert value.device.type == "cpu", f"{name} is on {value.device}"
     full = impl.full_params(model)
@@ -543,7 +512,7 @@ def _check_rank0_full_sd(rank, full_sd: dict, ref_full_sd: dict | None) -> None:
         assert len(full_sd) == len(ref_full_sd), f"{len(full_sd)} entries, the unsharded model has {len(ref_full_sd)}"
         assert list(full_sd.keys()) == list(ref_full_sd.keys()), f"{list(full_sd)} vs {list(ref_full_sd)}"
         for (name, param), ref_param in zip(full_sd.items(), ref_full_sd.values()):
-            assert not sd_is_sharded_any(param), f"{name} is not a plain full tensor: {type(param).__name__}"
+            assert not isinstance(param, DTensor), f"{name} is not a plain full tensor: {type(param).__name__}"
             assert param.device == torch.device("cpu")
             assert param.device == ref_param.device
             assert_equal(param, ref_param, name)
@@ -551,27 +520,20 @@ def _check_rank0_full_sd(rank, full_sd: dict, ref_full_sd: dict | None) -> None:
         assert len(full_sd) == 0, f"rank {rank} holds {len(full_sd)} entries; expected none"
 
 
-def sd_is_sharded_any(value) -> bool:
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    import flashfsdp  # noqa: PLC0415
-
-    return isinstance(value, (DTensor, flashfsdp.ShardedPiece))
-
-
 @cases.case()
 def rank0_offload_full_state_dict(rank, world_size, impl):
     """Upstream: test_fully_shard_state_dict.py::TestFullyShardStateDictMultiThread::test_rank0_offload_full_state_dict
     — the sharded state dict of a Transformer (blocks and root sharded), made full value by value
-    (``full_tensor()``, adapted: :func:`sd_full`) and kept on the CPU on rank 0 only, has the
+    (``full_tensor()``) and kept on the CPU on rank 0 only, has the
     unsharded model's keys in order and its values (tied output/embedding weight included)."""
     ref_model, model = _transformer_and_sharded(impl)
     sharded_sd = model.state_dict()
+    record_sd(impl, "state_dict", sharded_sd)
     ref_full_sd = {k: v.cpu() for k, v in ref_model.state_dict().items()} if rank == 0 else None
     full_sd = {}
     for name, sharded_param in sharded_sd.items():
-        assert sd_is_sharded(impl, sharded_param), f"{name} is not sharded"
-        full_param = sd_full(impl, sharded_param)
+        assert isinstance(sharded_param, DTensor), f"{name} is not a DTensor"
+        full_param = sharded_param.full_tensor()
         if rank == 0:
             full_sd[name] = full_param.cpu()
     _check_rank0_full_sd(rank, full_sd, ref_full_sd)
@@ -584,7 +546,7 @@ def rank0_offload_full_state_dict_dsd(rank, world_size, impl):
     (the stock way to get it) — ``get_model_state_dict`` / ``get_state_dict`` with
     ``StateDictOptions(full_state_dict=True, cpu_offload=True)`` give rank 0 the unsharded model's
     (and, after an Adam step, the unsharded optimizer's) full state dict on the CPU, and the other
-    ranks nothing. (flashfsdp documents that these getters raise today.)"""
+    ranks nothing."""
     from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
         StateDictOptions,
         get_model_state_dict,
@@ -594,6 +556,7 @@ def rank0_offload_full_state_dict_dsd(rank, world_size, impl):
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     ref_model, model = _transformer_and_sharded(impl)
     full_sd = get_model_state_dict(model, options=options)
+    record_sd(impl, "get_model_state_dict", full_sd)
     ref_full_sd = {k: v.cpu() for k, v in ref_model.state_dict().items()} if rank == 0 else None
     _check_rank0_full_sd(rank, full_sd, ref_full_sd)
 
@@ -605,6 +568,8 @@ def rank0_offload_full_state_dict_dsd(rank, world_size, impl):
     _train_steps(ref_model, ref_optim, [inp], replicated=True)
     _train_steps(model, optim, [inp])
     msd, osd = get_state_dict(model, optim, options=options)
+    record_sd(impl, "get_state_dict model", msd)
+    record_sd(impl, "get_state_dict optim", osd)
     ref_msd, ref_osd = get_state_dict(ref_model, ref_optim, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
         _check_rank0_full_sd(rank, msd, {k: v.cpu() for k, v in ref_msd.items()})
@@ -612,7 +577,7 @@ def rank0_offload_full_state_dict_dsd(rank, world_size, impl):
         for name, ref_state in ref_osd["state"].items():
             for key, ref_value in ref_state.items():
                 value = osd["state"][name][key]
-                assert not sd_is_sharded_any(value), f"optimizer state {name}.{key} is not a full tensor"
+                assert not isinstance(value, DTensor), f"optimizer state {name}.{key} is not a full tensor"
                 assert_equal(value, ref_value, f"optimizer state {name}.{key}", rtol=1.3e-6, atol=1e-5)
     else:
         _check_rank0_full_sd(rank, msd, None)
