@@ -13,12 +13,13 @@ reduce-scatter also at W = 4):
 - reduce-scatter: with every unsharded gradient = rank (what upstream feeds
   ``foreach_reduce_scatter``), produced here by a backward, each sharded gradient is this rank's
   part of the mean over ranks, for every parameter, those whose shard on this rank is pure padding
-  included (their local gradient is empty, or absent); then again with gradient = rank + a pattern
+  included (their gradient's local tensor is empty); then again with gradient = rank + a pattern
   (which a misplaced element would not survive).
 
 The parameter sizes are upstream's (uneven: 17 and 297 rows...), plus ``[1, 33]`` and ``[3]``, which
-give torch's dim-0 sharding pure-padding shards at W = 2 and 4 (flashfsdp's flat layout has them
-for the small parameters anyway). Not applicable: the CUDA stream variants
+give FSDP2's dim-0 sharding pure-padding shards at W = 2 and 4. Parameters and gradients are
+DTensors for both implementations; their types, placements and local shapes are recorded and
+compared with torch's (``Impl.record_types``). Not applicable: the CUDA stream variants
 (``all_gather_copy_in_stream``, ``all_gather_stream``, ``reduce_scatter_stream``).
 """
 
@@ -44,8 +45,8 @@ PARAM_SIZES = [
     torch.Size([512, 64]),
     torch.Size([256]),
     torch.Size([64, 297]),
-    torch.Size([1, 33]),  # torch: pure padding on ranks >= 1
-    torch.Size([3]),  # torch: pure padding on rank 3 at W = 4
+    torch.Size([1, 33]),  # pure padding on ranks >= 1
+    torch.Size([3]),  # pure padding on rank 3 at W = 4
 ]
 
 
@@ -80,6 +81,7 @@ def _check_shards(impl, module: ParamsModule, orig: list[torch.Tensor], where: s
     """Every parameter sharded, its local shard exactly its part of the original; returns how many
     are pure padding on this rank (empty local shard)."""
     empty = 0
+    impl.record_types(f"{where}: params", list(module.params))
     for i, (p, o) in enumerate(zip(module.params, orig)):
         assert impl.is_sharded(p), f"{where}: params.{i} is not sharded"
         assert impl.full_shape(p) == o.shape, f"{where}: params.{i} has full shape {impl.full_shape(p)}"
@@ -93,8 +95,7 @@ def _check_shards(impl, module: ParamsModule, orig: list[torch.Tensor], where: s
 
 
 def assert_some_padding(here: bool) -> None:
-    """Some rank has a pure-padding shard (collective): the sizes exercise that path. (Which ranks
-    do differs between the two layouts: torch's last ranks, flashfsdp's for the small parameters.)"""
+    """Some rank has a pure-padding shard (collective): the sizes exercise that path."""
     flag = torch.tensor([int(here)])
     dist.all_reduce(flag)
     assert flag.item() > 0, "no rank has a pure-padding shard: the parameter sizes exercise none"
@@ -145,14 +146,12 @@ def _reduce_scatter(rank, world_size, impl):
         for i, (p, want_full) in enumerate(zip(module.params, reduced)):
             assert impl.is_sharded(p), f"{label}: params.{i} is not sharded after backward"
             want = impl.shard_of(want_full, p)
-            if want.numel() == 0:  # pure padding on this rank: no gradient, or an empty one
-                any_padding = True
-                assert p.grad is None or impl.local(p.grad).numel() == 0, \
-                    f"{label}: params.{i} is pure padding here but has a non-empty gradient"
-                continue
             assert p.grad is not None, f"{label}: params.{i} has no gradient"
+            if want.numel() == 0:  # pure padding on this rank: an empty local gradient
+                any_padding = True
             torch.testing.assert_close(impl.local(p.grad), want, **FP32,
                                        msg=lambda m, i=i, label=label: f"{label}: params.{i}'s sharded gradient: {m}")
+        impl.record_types(f"{label}: gradients", [p.grad for p in module.params])
         # The full gradients (collective) as well: equal to the mean everywhere.
         full = impl.full_grads(module)
         for i, want_full in enumerate(reduced):
@@ -167,8 +166,8 @@ def _reduce_scatter(rank, world_size, impl):
 def reduce_scatter_fp32(rank, world_size, impl):
     """Upstream: test_fully_shard_collectives.py::TestFullyShardCollectives::test_reduce_scatter_fp32
     (W = 2): unsharded gradient = rank (then rank + a pattern) for every parameter; each sharded
-    gradient equals this rank's part of the mean over ranks; pure-padding shards get no (or an
-    empty) gradient; the full gradients equal the mean."""
+    gradient equals this rank's part of the mean over ranks (pure-padding shards: an empty local
+    gradient); the full gradients equal the mean."""
     return _reduce_scatter(rank, world_size, impl)
 
 

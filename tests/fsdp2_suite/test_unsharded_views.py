@@ -16,8 +16,11 @@ sharded one (no all-gather output is allocated), and checks through FSDP2's inte
   unsharded parameters), ``load_state_dict(assign=True)`` replaces the parameters and the next
   forward uses the new ones (output 18).
 
-Not applicable (FSDP2 internals with no counterpart in flat units): the ``data_ptr`` equalities of
-borrowed views, ``FSDPParam.init_all_gather_outputs`` not being called, ``_unsharded_param_is_view``,
+The state-dict values are DTensors for both implementations (their types are recorded and
+compared with torch's), updated as upstream updates them (``torch.full_like``).
+
+Not applicable (FSDP2's ``FSDPParam`` internals, which flashfsdp's flat groups do not have): the
+``data_ptr`` equalities of borrowed views, ``FSDPParam.init_all_gather_outputs`` not being called, ``_unsharded_param_is_view``,
 ``all_gather_outputs`` / ``_unsharded_inner_tensors`` being empty; the ``TwoTensor`` subclass
 variant (``fsdp_get_unsharded_view`` extension protocol); and the other upstream tests
 (``test_training_and_casts_keep_independent_storage``, ``test_cpu_offload_keeps_independent_storage``,
@@ -37,16 +40,6 @@ cases = CaseSet(__name__)
 UPSTREAM = "test/distributed/_composable/fsdp/test_fully_shard_unsharded_views.py"
 
 
-def filled_like(tensor: torch.Tensor, value: float) -> torch.Tensor:
-    """A state-dict value of the same kind (sharded or not) as ``tensor``, filled with ``value``.
-
-    Upstream writes ``torch.full_like(tensor, value)``; that is checked on its own in
-    :func:`views_survive_reshard_and_weight_loading_full_like`, so the other cases do not depend on
-    ``full_like`` being supported by a state-dict value type.
-    """
-    return tensor.detach().clone().fill_(value)
-
-
 def _make_model(impl, meta: bool, reshard_after_forward: bool) -> nn.Module:
     """Upstream's ``_make_model`` (no subclass): a frozen ``Linear(8, 4)``, fully_shard'ed, possibly
     built on the meta device and materialised with ``to_empty``, then every value set to 0.5 in its
@@ -58,6 +51,7 @@ def _make_model(impl, meta: bool, reshard_after_forward: bool) -> nn.Module:
     if meta:
         model.to_empty(device="cpu")
     state = model.state_dict()
+    impl.record_types(f"meta={meta}, reshard_after_forward={reshard_after_forward}: state_dict", state)
     for tensor in state.values():
         tensor.fill_(0.5)
     model.load_state_dict(state)
@@ -72,7 +66,7 @@ def _check_sharded_values(impl, model: nn.Module, value: float, where: str) -> N
                                    msg=lambda m, name=name: f"{where}: {name}'s shard: {m}")
 
 
-def _views_survive_reshard_and_weight_loading(impl, meta: bool, reshard_after_forward: bool, full_like: bool):
+def _views_survive_reshard_and_weight_loading(impl, meta: bool, reshard_after_forward: bool):
     model = _make_model(impl, meta, reshard_after_forward)
     params = [p for _, p in model.named_parameters()]
     assert all(not p.requires_grad for p in params)
@@ -87,10 +81,9 @@ def _views_survive_reshard_and_weight_loading(impl, meta: bool, reshard_after_fo
             assert all(a is b for a, b in zip(model.parameters(), params)), \
                 f"{where}: the module does not hold its sharded parameters after reshard()"
             state = model.state_dict()
-            if full_like:
-                update = {name: torch.full_like(tensor, version) for name, tensor in state.items()}
-            else:
-                update = {name: filled_like(tensor, version) for name, tensor in state.items()}
+            update = {name: torch.full_like(tensor, version) for name, tensor in state.items()}
+            impl.record_types(f"{where}: state_dict", state)
+            impl.record_types(f"{where}: update", update)
             model.load_state_dict(update)
             assert all(a is b for a, b in zip(model.parameters(), params)), \
                 f"{where}: an in-place load_state_dict replaced the parameters"
@@ -108,7 +101,7 @@ def views_survive_reshard_and_weight_loading(rank, world_size, impl):
     (subclass=False; meta in {False, True} x reshard_after_forward in {False, True}): frozen
     ``Linear(8, 4)``; after ``reshard()``, three in-place ``load_state_dict`` of new values each show
     in the next no-grad forward (9 · version), in the shards, with the same parameter objects."""
-    return [_views_survive_reshard_and_weight_loading(impl, meta, raf, full_like=False)
+    return [_views_survive_reshard_and_weight_loading(impl, meta, raf)
             for meta in (False, True) for raf in (False, True)]
 
 
@@ -124,7 +117,8 @@ def replaced_storage_recreates_view(rank, world_size, impl):
     with torch.no_grad():
         model(inputs)
         old_weight = model.weight
-        state = {name: filled_like(tensor, 2) for name, tensor in model.state_dict().items()}
+        state = {name: torch.full_like(tensor, 2) for name, tensor in model.state_dict().items()}
+        impl.record_types("assigned state_dict", state)
         model.load_state_dict(state, assign=True)
         assigned = model.weight
         assert assigned is not old_weight, "load_state_dict(assign=True) kept the old parameter"
@@ -135,16 +129,6 @@ def replaced_storage_recreates_view(rank, world_size, impl):
         assert model.weight is assigned, "after the forward and reshard(), the module does not hold the assigned weight"
         _check_sharded_values(impl, model, 2.0, "after the assigned load")
     return out
-
-
-# Last: a case that fails on one implementation costs a fresh set of ranks for the cases after it.
-@cases.case()
-def views_survive_reshard_and_weight_loading_full_like(rank, world_size, impl):
-    """Upstream: test_fully_shard_unsharded_views.py::TestFullyShardUnshardedViews::test_views_survive_reshard_and_weight_loading
-    (subclass=False, meta=False, reshard_after_forward=True) as upstream writes the update:
-    ``torch.full_like(value, version)`` on the values of ``model.state_dict()`` (DTensors for
-    FSDP2), then loaded in place and seen by the next forward."""
-    return _views_survive_reshard_and_weight_loading(impl, False, True, full_like=True)
 
 
 test_case = cases.pytest_tests()
