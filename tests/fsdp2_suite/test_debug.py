@@ -6,9 +6,10 @@ the root unit holds only the parameters no nested unit claimed (``1.*``), each n
 module's, and every name is relative to the root.
 
 Upstream reads FSDP2's private ``fully_shard.state(m)._fsdp_param_group._module_fqn`` and each
-``FSDPParam._param_fqn``; that is still what the torch run reads. flashfsdp has no param groups:
-its sharded pieces carry their unit (``_flashfsdp_unit``, the unit of ``fully_shard.state(m).unit``)
-and their name (``_flashfsdp_fqn``), and the unit's name is the module's qualified name after lazy
+``FSDPParam._param_fqn``; that is still what the torch run reads. flashfsdp has no
+``FSDPParamGroup``: its sharded parameters (DTensors, as FSDP2's) carry their unit
+(``_flashfsdp_unit``, the unit of ``fully_shard.state(m).unit``) and their name
+(``_flashfsdp_fqn``), and the unit's name is the module's qualified name after lazy
 init (``"<root>"`` for the root, whose qualified name is empty). Lazy init is triggered as upstream
 does (the root state's private ``_lazy_init()``), and also by a first forward (the public way).
 """
@@ -46,7 +47,7 @@ def unit_param_fqns(impl, model: nn.Module) -> dict[str, dict[str, int]]:
             assert group._module_fqn == path, f"'{path}': module fqn {group._module_fqn!r}"
             out[path] = {fp._param_fqn: fp._orig_size.numel() for fp in group.fsdp_params}
         return out
-    # flashfsdp: ownership is on the sharded pieces
+    # flashfsdp: ownership is on the sharded parameters
     units = {}
     for path, module in model.named_modules():
         if isinstance(module, impl.FSDPModule):

@@ -3,9 +3,11 @@
 Upstream tests FSDP2's all-gather extension points: a parameter's tensor subclass (or a monkey-
 patched local tensor) defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` to choose what is
 all-gathered per parameter (``TwoTensor``'s two inner tensors, a bf16 cast) and how the unsharded
-parameter is rebuilt. flashfsdp lays a unit's parameters end to end in one flat buffer and
-all-gathers that buffer: there is no per-parameter all-gather to hook, and a tensor subclass is not
-kept through flattening, so those hooks have no counterpart (see the table in the report).
+parameter is rebuilt. flashfsdp all-gathers each unit's flat shard (every parameter's dim-0 chunk
+back to back) in one collective and copies the parameters out of the gathered buffer: no
+per-parameter hook runs, and a parameter's tensor subclass is not kept (its sharded parameter is a
+plain DTensor), so those hooks have no counterpart (see the table in
+``docs/fsdp2_compatibility.md``).
 
 What the extension tests exercise besides the hooks is ported here: the plain-parameter flows
 they run through (uneven dim-0 sizes with a fused optimizer; meta-device initialisation with

@@ -3,8 +3,9 @@
 HSDP is ``fully_shard(module, mesh=init_device_mesh(..., (R, S), mesh_dim_names=("replicate",
 "shard")))``: each unit is sharded within its shard group of S ranks and its gradients are
 all-reduced across the R replicas. Every case runs at W = 4 as a 2 x 2 mesh of gloo ranks on CPU,
-against torch's ``fully_shard`` and flashfsdp's; flashfsdp's parameters are its shard group's 1-D
-pieces, read through the ``Impl`` helpers as everywhere in this suite.
+against torch's ``fully_shard`` and flashfsdp's; both give each parameter as a DTensor on the
+2-D mesh with placements ``(Replicate(), Shard(0))``, whose local tensor is this rank's dim-0
+chunk within its shard group (the same on every replica).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer, TransformerBlock
 
@@ -96,7 +98,7 @@ def hsdp_2d_mesh_without_mesh_dim_names(rank, world_size, impl):
 
 # ============================================================================ TestFullyShardHSDPBroadcast
 def _local_values(impl, tensor) -> torch.Tensor:
-    return impl.local(tensor) if impl.is_sharded(tensor) else tensor.detach()
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def _replica_values(impl, model, group) -> list[list[torch.Tensor]]:
@@ -116,8 +118,7 @@ def hsdp_broadcast_across_replicas(rank, world_size, impl):
 
     A Transformer (and a buffer) on a 2 x 2 mesh whose second replica overwrote its states with
     1337: the replicas differ, a broadcast of every local shard from the replicate group's first
-    rank makes them equal, and a forward/backward runs. (Empty local pieces, which flashfsdp's flat
-    layout can give a rank, are equal on both replicas and skipped in the "differ" check.)"""
+    rank makes them equal, and a forward/backward runs."""
     mesh = hsdp_mesh()
     model_args = ModelArgs()
     model = Transformer(model_args)
@@ -131,8 +132,9 @@ def hsdp_broadcast_across_replicas(rank, world_size, impl):
             tensor.detach().fill_(1337)
     group = mesh.get_group("replicate")
     for gathered in _replica_values(impl, model, group):
-        if gathered[0].numel():
-            assert not torch.equal(gathered[1], gathered[0])
+        for other in gathered[1:]:
+            assert other.shape == gathered[0].shape
+            assert not torch.equal(other, gathered[0])
     src = dist.get_process_group_ranks(group)[0]
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         dist.broadcast(_local_values(impl, tensor), src=src, group=group)

@@ -15,13 +15,13 @@ stay local, the others are averaged and sharded).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.common_fsdp import MLP
 
@@ -170,12 +170,6 @@ def ddp_A_fsdp_B_ddp_C(rank, world_size, impl):
     test_model = DDP(test_model, broadcast_buffers=False)
     test_optim = torch.optim.Adam(test_model.parameters(), lr=1e-2)
 
-    if impl.name == "torch":
-        from torch.distributed.tensor.experimental import implicit_replication  # noqa: PLC0415
-
-        mixed_step = implicit_replication  # one optimizer over DTensor and plain parameters
-    else:
-        mixed_step = contextlib.nullcontext
     fulls = [_compare_ref_test_params(impl, ref_model, test_model)]
     losses = []
     for _ in range(3):
@@ -184,7 +178,7 @@ def ddp_A_fsdp_B_ddp_C(rank, world_size, impl):
         torch.testing.assert_close(test_loss, ref_loss)
         ref_loss.backward()
         test_loss.backward()
-        with mixed_step():
+        with implicit_replication():  # one optimizer over DTensor and plain parameters
             ref_optim.step()
             ref_optim.zero_grad()
             test_optim.step()

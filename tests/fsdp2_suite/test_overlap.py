@@ -20,6 +20,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor.experimental import implicit_replication
 
 from tests.fsdp2_suite.common import average_grads, rank_seed
 from tests.fsdp2_suite.runner import CaseSet
@@ -166,12 +167,7 @@ def fully_shard_post_optim_event_overlap(rank, world_size, impl):
             optim.zero_grad()
             loss = model(inp).sum()
             loss.backward()
-            if impl.name == "torch":
-                from torch.distributed.tensor.experimental import implicit_replication  # noqa: PLC0415
-
-                with implicit_replication():
-                    optim.step()
-            else:
+            with implicit_replication():  # the plain linear's parameters beside the DTensors
                 optim.step()
             if use_post_optim_event:
                 # A CPU event cannot be recorded ("cpu backend doesn't support events"): CPU work
