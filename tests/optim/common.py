@@ -1,4 +1,4 @@
-"""Shared pieces of the flat-optimizer tests: a sharded model, a training loop, the error measure."""
+"""Shared parts of the flat-optimizer tests: a sharded model, a training loop, the error measure."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import torch
 import torch.nn as nn
 
 from flashfsdp import fully_shard
+from flashfsdp.runtime.sharding_spec import local_of
 from tests.models import loss_fn, make_batch, make_mlp
 
 
 def sharded_mlp(seed: int = 0, extra: bool = False) -> nn.Module:
     """tests.models' MLPStack with a unit per block, the shift bias and the root; with ``extra``, a
-    plain (ignored) parameter that is not a flashfsdp piece."""
+    plain (ignored) parameter that belongs to no unit."""
     model = make_mlp(seed)
     ignored = set()
     if extra:
@@ -40,7 +41,9 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, rank: int 
 
 
 def rel_err(a, b) -> float:
-    """max |a - b| / max |b| over two lists of tensors (0 when both are all zero)."""
+    """max |a - b| / max |b| over two lists of tensors (0 when both are all zero); of DTensors,
+    this rank's local chunks (both sides sharded alike; every rank's result is checked)."""
+    a, b = [local_of(x) for x in a], [local_of(y) for y in b]
     num = max(((x.detach() - y.detach()).abs().max().item() for x, y in zip(a, b, strict=True) if x.numel()),
               default=0.0)
     den = max((y.detach().abs().max().item() for y in b if y.numel()), default=0.0)
@@ -48,6 +51,7 @@ def rel_err(a, b) -> float:
 
 
 def state_tensors(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every state tensor of ``optim``, in parameter order and key order."""
+    """Every state tensor of ``optim``, in parameter order and key order (of a DTensor, this rank's
+    local chunk), flattened."""
     params = [p for g in optim.param_groups for p in g["params"]]
-    return [optim.state[p][k].reshape(-1).float() for p in params if p in optim.state for k in sorted(optim.state[p])]
+    return [local_of(optim.state[p][k]).reshape(-1).float() for p in params if p in optim.state for k in sorted(optim.state[p])]

@@ -1,5 +1,5 @@
 """Bad input to the flat optimizers: torch's argument errors, a gradient of the wrong size on a
-sharded piece (named), an optimizer built before fully_shard (refused as for torch's)."""
+sharded parameter (named), an optimizer built before fully_shard (refused as for torch's)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def test_gradient_of_another_size_names_the_parameter(cls):
     optim = cls(model.parameters(), lr=0.1)
     model(torch.randn(2, 7)).sum().backward()
     model.blocks[1].up.weight.grad.data = torch.zeros(5)  # .data bypasses autograd's own size check
-    with pytest.raises(RuntimeError, match=r"the gradient of blocks\.1\.up\.weight has 5 elements but its sharded "
-                                           r"piece has 273; a \.grad assigned by hand must have the piece's shape"):
+    with pytest.raises(RuntimeError, match=r"the gradient of blocks\.1\.up\.weight has 5 local elements but the "
+                                           r"parameter's chunk has 273; a \.grad assigned by hand must have the "
+                                           r"parameter's shape \(21, 13\) and placements"):
         optim.step()
 
 

@@ -1,9 +1,11 @@
-"""The flat optimizers at W = 2 (gloo): parity with torch.optim on the same pieces, and the state
-dict handed to torch's AdamW and back, on ranks whose pieces are partly empty or padded."""
+"""The flat optimizers at W = 2 (gloo): parity with torch.optim on the same DTensor parameters, and
+the state dict (DTensors of the parameters' placements, as torch's) handed to torch's AdamW and
+back, on ranks whose dim-0 chunks are uneven or padded."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import flashfsdp.optim as fo
 from tests.harness import run_distributed
@@ -15,8 +17,15 @@ def _parity(rank, world_size, flat_cls, torch_cls, kwargs):
     optims = [flat_cls(models[0].parameters(), **kwargs), torch_cls(models[1].parameters(), **kwargs)]
     for model, optim in zip(models, optims):
         train(model, optim, 3, rank, world_size)
+    flat_sd, torch_sd = optims[0].state_dict(), optims[1].state_dict()
+    for (pid, st), p in zip(sorted(flat_sd["state"].items()), models[0].parameters()):
+        for key, value in st.items():
+            ref = torch_sd["state"][pid][key]
+            assert type(value) is type(ref), (key, type(value), type(ref))
+            if isinstance(ref, DTensor) and ref.shape == p.shape:
+                assert value.placements == p.placements and value.to_local().shape == p.to_local().shape
     handed = torch_cls(models[0].parameters(), **kwargs)
-    handed.load_state_dict(optims[0].state_dict())
+    handed.load_state_dict(flat_sd)
     back = flat_cls(models[0].parameters(), **kwargs)
     back.load_state_dict(handed.state_dict())
     for model, optim in zip(models, (back, optims[1])):

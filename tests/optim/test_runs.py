@@ -1,5 +1,6 @@
-"""Flat runs: a unit's pieces are views of one master shard with gradients in one flat shard, each
-unit is one run, and the whole step of a group is one fused call over the runs."""
+"""Flat runs: a unit's sharded parameters' local tensors are views of one master shard with
+gradients in one flat shard, each unit is one run, and the whole step of a group is one fused call
+over the runs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 import flashfsdp.optim as fo
 from flashfsdp.optim.runs import plan_runs
+from flashfsdp.runtime.sharding_spec import local_of
 from tests.optim.common import sharded_mlp, train
 
 
@@ -24,11 +26,12 @@ def test_each_unit_is_one_run_of_views_into_its_shards():
     assert sorted(len(r.params) for r in runs) == [1, 4, 4, 4, 4]
     for run in runs:
         for p in run.params:
-            assert p.untyped_storage().data_ptr() == run.flat.untyped_storage().data_ptr()
-            assert p.grad.untyped_storage().data_ptr() == run.grad().untyped_storage().data_ptr()
-            o = p.storage_offset() - run.lo
-            assert torch.equal(run.flat[o : o + p.numel()], p.detach())
-            assert torch.equal(run.grad()[o : o + p.numel()], p.grad)
+            local, grad = local_of(p), local_of(p.grad)
+            assert local.untyped_storage().data_ptr() == run.flat.untyped_storage().data_ptr()
+            assert grad.untyped_storage().data_ptr() == run.grad().untyped_storage().data_ptr()
+            o = local.storage_offset() - run.lo
+            assert torch.equal(run.flat[o : o + local.numel()], local.detach().reshape(-1))
+            assert torch.equal(run.grad()[o : o + local.numel()], grad.reshape(-1))
 
 
 def test_runs_break_at_missing_gradients_and_ages():
