@@ -15,9 +15,10 @@ on the values exchanged, and gloo would free some collective buffers on its own 
 whose frees the profiler does not see (they would show up as memory never freed, at random). The
 optimizer-in-backward case also trains over the real gloo group to check the values.
 
-The two implementations allocate differently (torch all-gathers into a separate output and copies
-out; flashfsdp all-gathers in place, keeps a persistent fp32 gradient shard beside its
-reduce-scatter outputs and shards flat), so memory figures are not compared between them: torch's
+The two implementations allocate differently (both all-gather into an output buffer and copy out
+into the unsharded parameters, but flashfsdp keeps a persistent fp32 gradient shard beside its
+reduce-scatter outputs, prefetches in forward and frees the gradient shard at the next forward),
+so memory figures are not compared between them: torch's
 ``fully_shard`` must meet upstream's bounds, flashfsdp the bounds the same accounting gives for its
 buffers (docs/fsdp2_compatibility.md, 'Schedule'; see ``_training_memory``).
 """
@@ -140,11 +141,6 @@ def _build(impl, reshard_after_forward, mesh):
     return model
 
 
-def _largest_dim0_shard_numel(model, world_size: int) -> int:
-    """The largest local shard of a parameter of ``model`` (unsharded) under dim-0 sharding."""
-    return max(-(-p.shape[0] // world_size) * (p.numel() // max(1, p.shape[0])) for p in model.parameters())
-
-
 # flashfsdp's bounds below count its buffers by the rules of docs/fsdp2_compatibility.md, 'Schedule'
 # (rules 1 and 4 as numbered in test_comm.py):
 #   rule 1, implicit forward prefetch: a unit starting its forward unshards the next one (one ahead),
@@ -152,8 +148,7 @@ def _largest_dim0_shard_numel(model, world_size: int) -> int:
 #   rule 4, backward prefetch: a unit starting its backward unshards the one whose forward ended before;
 #   rule 5, memory: a unit's reduce-scatter output is its own S-element buffer (reduce dtype),
 #     accumulated into a persistent S-element fp32 ``sharded_grad`` (allocated at the unit's first
-#     reduction, freed at the next root forward once ``zero_grad()`` set every ``.grad`` to None);
-#     flat sharding may put a whole parameter on one rank.
+#     reduction, freed at the next root forward once ``zero_grad()`` set every ``.grad`` to None).
 def _training_memory(rank, world_size, impl, reshard_after_forward: bool, run_optim_in_backward: bool):
     assert world_size == 2, "upstream hard-codes W = 2"
     mesh = fake_mesh(world_size)
@@ -167,7 +162,6 @@ def _training_memory(rank, world_size, impl, reshard_after_forward: bool, run_op
     max_unsharded_numel = sum(p.numel() for p in numels.layers[0].parameters())  # a block
     non_block_numel = sum(sum(p.numel() for p in m.parameters())
                           for m in (numels.tok_embeddings, numels.pos_embeddings, numels.norm, numels.output))
-    dim0_shard_numel = _largest_dim0_shard_numel(numels, world_size)
     del numels
     optim_kwargs = {"lr": 1e-2, "foreach": False}  # foreach intermediates raise the peak
     with MemoryTrace() as mem:
@@ -200,11 +194,13 @@ def _training_memory(rank, world_size, impl, reshard_after_forward: bool, run_op
     _check(f"{tag}: after init (current)", mem.at_end("init"), sharded + block, failures)
     # Forward
     if flash:
-        # flashfsdp (docs/fsdp2_compatibility.md, 'Schedule'): it all-gathers in place (no copy-out,
-        # flashfsdp/runtime/flat_param.py), and the model's first forward has no recorded order, so
-        # no unit is prefetched (rule 1): True: the block computing, the non-block parameters (the
-        # root's) and the sharded parameters; False: sharded + all unsharded parameters.
-        bound = sharded + (block + non_block if reshard_after_forward else unsharded) + buffer
+        # flashfsdp (docs/fsdp2_compatibility.md, 'Schedule'): a unit's all-gather lands in its
+        # gathered buffer, alive until the copy-out into the unsharded parameters
+        # (flashfsdp/runtime/flat_param.py): one block more while a block is copied out; the model's
+        # first forward has no recorded order, so no unit is prefetched (rule 1): True: the block
+        # computing, the non-block parameters (the root's) and the sharded parameters; False:
+        # sharded + all unsharded parameters.
+        bound = sharded + (block + non_block if reshard_after_forward else unsharded) + block + buffer
     elif reshard_after_forward:
         # current all-gather + copy-out and the next all-gather (3 blocks), non-block parameters,
         # the sharded parameters
@@ -251,12 +247,8 @@ def _training_memory(rank, world_size, impl, reshard_after_forward: bool, run_op
     # 2x sharded optimizer states (+ sharded gradients unless they were stepped in backward)
     bound = buffer + 3 * sharded + (0 if run_optim_in_backward else sharded)
     if flash:
-        # flashfsdp: sharded_grad is allocated even after the optimizer ran in backward (rule 5);
-        # and flat sharding may put a whole parameter on one rank (rule 5), so the non-foreach
-        # step's per-parameter temporaries, for which the slack is sized (BUFFER_BYTES: a multiple
-        # of the largest dim-0 shard), scale with this rank's largest piece
-        largest_piece = max(impl.local(p).numel() for p in model.parameters())
-        bound = buffer * max(1.0, largest_piece / dim0_shard_numel) + 4 * sharded
+        # flashfsdp: sharded_grad is allocated even after the optimizer ran in backward (rule 5)
+        bound = buffer + 4 * sharded
     _check(f"{tag}: optimizer step (peak)", mem.peak("optim_step"), bound, failures)
     # Zero grad: the sharded gradients are freed
     bound = sharded + buffer + 2 * sharded + buffer
@@ -266,8 +258,9 @@ def _training_memory(rank, world_size, impl, reshard_after_forward: bool, run_op
     if flash:
         # flashfsdp: the root's forward first frees sharded_grad (every .grad is None, rule 5):
         # sharded parameters and optimizer states; then as the first forward, but each block
-        # prefetches the next (rule 1: the order is recorded now), so True holds 2 blocks
-        bound = 3 * sharded + (2 * block + non_block if reshard_after_forward else unsharded) + buffer
+        # prefetches the next (rule 1: the order is recorded now), so True holds 2 blocks; and a
+        # gathered buffer until its copy-out, as in the first forward
+        bound = 3 * sharded + (2 * block + non_block if reshard_after_forward else unsharded) + block + buffer
         _check(f"{tag}: next forward (peak)", mem.peak("next_forward"), bound, failures)
     if failures:
         raise AssertionError("memory above the bounds:\n  " + "\n  ".join(failures))
@@ -306,11 +299,12 @@ def fully_shard_training_memory(rank, world_size, impl):
     All failures are collected and raised together.
 
     flashfsdp's bounds count its own buffers the same way (rules of docs/fsdp2_compatibility.md,
-    'Schedule'): forward: one block gathered in place, none prefetched in the first step (rule 1);
+    'Schedule'): forward: one block unsharded and one gathered buffer until its copy-out, none
+    prefetched in the first step (rule 1);
     backward: 5 blocks (two blocks' parameters, one's gradients, two reduce-scatter inputs) and two
     block / W reduce-scatter outputs, plus the persistent fp32 sharded_grad (rule 5);
     optimizer step and after zero_grad: sharded_grad still allocated (freed at the next root
-    forward, rule 5), the optimizer's temporaries scaled to the largest flat piece; and a second
+    forward, rule 5); and a second
     forward, where sharded_grad is freed and each block prefetches the next (rules 1, 5)."""
     failures = []
     try:
