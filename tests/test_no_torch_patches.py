@@ -18,6 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # A torch function -> the modules that expose it (one line per function).
 UNTOUCHED = {
     "destroy_process_group": ("torch.distributed", "torch.distributed.distributed_c10d"),
+    "clip_grad_norm_": ("torch.nn.utils", "torch.nn.utils.clip_grad"),
 }
 
 # What flashfsdp's import changed: the "module.function" of every entry that now holds another

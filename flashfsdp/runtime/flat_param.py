@@ -109,6 +109,9 @@ class FlatParam(GradShard):
         self.world_size = world_size
         self.spec = spec or ShardingSpec(None)
         self.layout = ShardLayout.build(self.shapes, world_size, align)
+        # this rank's chunk of each parameter: (offset in the shard, elements, shape), read per step
+        self._chunks = [(self.layout.offsets[i], self.layout.local_numel(rank, i), self.layout.local_shape(rank, i))
+                        for i in range(len(self.shapes))]
         # This rank's chunks of the master weights (nothing to copy from parameters on the meta
         # device: they get values after to_empty, see rehome).
         self.sharded_flat = self._new_shard(self.dtype)
@@ -134,12 +137,12 @@ class FlatParam(GradShard):
 
     def local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s chunk of an S-element buffer laid out like the shard (its local shape)."""
-        o, n = self.layout.offsets[i], self.layout.local_numel(self.rank, i)
-        return flat[o : o + n].view(self.layout.local_shape(self.rank, i))
+        o, n, shape = self._chunks[i]
+        return flat[o : o + n].view(shape)
 
     def local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """:meth:`local_view` of every parameter."""
-        return [self.local_view(flat, i) for i in range(len(self.shapes))]
+        return [flat[o : o + n].view(shape) for o, n, shape in self._chunks]
 
     def _chunk_of(self, full: torch.Tensor, i: int) -> torch.Tensor:
         """This rank's rows of a full-shape tensor of parameter ``i`` (FSDP2's ``torch.chunk``)."""
@@ -301,6 +304,7 @@ class FlatParam(GradShard):
                 self.unsharded_flat[lay.unsharded_offsets[s.param_index] + s.param_offset:][: s.numel]
                 for s in lay.segments]
             self._copy_out_sources = [s.gathered_offset for s in lay.segments]
+        self._own_slice = self.gathered_slice(self.rank, self.world_size)
         self._unsharded_nbytes = lay.unsharded_size * self.unsharded_flat.element_size()
         self._gathered_nbytes = lay.gathered_size * self.unsharded_flat.element_size()
         self.free_unsharded()
@@ -334,6 +338,8 @@ class FlatParam(GradShard):
     def gathered_slice(self, rank: int | None = None, parts: int | None = None) -> torch.Tensor:
         """Slice ``rank`` of ``parts`` equal slices of the gathered buffer (default: this rank's
         S elements, where copy-in writes and the all-gather reads)."""
+        if rank is None and parts is None and hasattr(self, "_own_slice"):
+            return self._own_slice
         parts = self.world_size if parts is None else parts
         rank = self.rank if rank is None else rank
         n = self.layout.gathered_size // parts
@@ -394,7 +400,7 @@ class FlatParam(GradShard):
         # ``flatten`` would make (the same rounding, nearest even), without its per-call
         # validation of a multi-tensor layout, the host cost of every unshard of small units.
         with torch.no_grad():
-            self.gathered_slice().copy_(self.sharded_flat, non_blocking=self.pin_memory)
+            self._own_slice.copy_(self.sharded_flat, non_blocking=self.pin_memory)
 
     def quantize_in(self, packed: torch.Tensor) -> None:
         """Copy-in of an int8 all-gather (ZeRO++ qwZ, ``runtime/quantized_gather.py``): quantise

@@ -70,9 +70,9 @@ def divide_factors(unit: "ShardedUnit", reduce_dtype: torch.dtype) -> tuple[floa
     return f_pre, f_post
 
 
-@dataclass
 class ReduceLayout:
-    """The reduce-scatter layout of one reduction of a group.
+    """The reduce-scatter layout of one reduction of a group (built once per pattern of trainable
+    parameters and kept on the group).
 
     Attributes:
         layout: the shard layout of the parameters reduced (the group's, or its trainable
@@ -80,26 +80,38 @@ class ReduceLayout:
         keep: the group's index of each parameter of ``layout``.
         segment: R, the elements of one rank's segment (the reduce-scatter output): the shard's
             S elements, then one flag per parameter, padded to the alignment.
+        entries: what :func:`pack` moves, per non-empty chunk: ``(group parameter index, offset in
+            the flattened gradient, offset in the packed buffer, elements)``.
     """
 
-    layout: ShardLayout
-    keep: tuple[int, ...]
+    def __init__(self, layout: ShardLayout, keep: tuple[int, ...]):
+        self.layout, self.keep = layout, keep
+        align = layout.align
+        self.segment = layout.shard_size + -(-len(keep) // align) * align
+        self.entries = tuple((keep[s.param_index], s.param_offset, s.rank * self.segment + layout.offsets[s.param_index],
+                              s.numel) for s in layout.segments)
+        self.flag_offsets = tuple(r * self.segment + layout.shard_size for r in range(layout.world_size))
+        self.dense = keep == tuple(range(len(layout.shapes)))
 
-    @property
-    def segment(self) -> int:
-        align = self.layout.align
-        return self.layout.shard_size + -(-len(self.keep) // align) * align
+    @classmethod
+    def dense_of(cls, group: FlatParam) -> "ReduceLayout":
+        """The layout of a reduction of every parameter of ``group``."""
+        cache = group.__dict__.setdefault("_reduce_layout_cache", {})
+        key = (True,) * len(group.shapes)
+        if key not in cache:
+            cache[key] = cls(group.layout, tuple(range(len(group.shapes))))
+        return cache[key]
 
     @classmethod
     def of(cls, group: FlatParam) -> "ReduceLayout":
-        sub = group.reduce_layout()
-        if sub is None:
-            return cls(group.layout, tuple(range(len(group.shapes))))
-        return cls(sub, tuple(i for i, p in enumerate(group.sharded_params) if p.requires_grad))
-
-    @property
-    def dense(self) -> bool:
-        return len(self.keep) == len(self.layout.shapes) and self.keep == tuple(range(len(self.keep)))
+        """The layout of ``group``'s next reduction (its trainable parameters now)."""
+        cache = group.__dict__.setdefault("_reduce_layout_cache", {})
+        trainable = tuple(p.requires_grad for p in group.sharded_params)
+        if trainable not in cache:
+            sub = group.reduce_layout()
+            keep = tuple(range(len(group.shapes))) if sub is None else tuple(i for i, t in enumerate(trainable) if t)
+            cache[trainable] = cls(group.layout if sub is None else sub, keep)
+        return cache[trainable]
 
 
 @dataclass
@@ -124,7 +136,7 @@ class PendingReduce:
         """Make the output dense: a segment of the group's own layout, the reduced parameters'
         chunks and flags at their places, zeros for the others."""
         rl, group = self.rlayout, self.group
-        full_rl = ReduceLayout(group.layout, tuple(range(len(group.shapes))))
+        full_rl = ReduceLayout.dense_of(group)
         full = torch.zeros(full_rl.segment, dtype=self.output.dtype, device=self.output.device)
         S, S_sub = group.layout.shard_size, rl.layout.shard_size
         outs, offsets = [], []
@@ -269,20 +281,13 @@ def pack(group: FlatParam, grads: list, local: list[bool], reduce_dtype: torch.d
         group.unsharded_accum = None
         group.accum_had_grad = [False] * len(group.accum_had_grad)
         grads = sources
-    lay, R = rlayout.layout, rlayout.segment
     flat_grads = [None if g is None else g.reshape(-1) for g in grads]
-    tensors, offsets, numels = [], [], []
-    for s in lay.segments:
-        g = flat_grads[rlayout.keep[s.param_index]]
-        tensors.append(None if g is None else g[s.param_offset : s.param_offset + s.numel])
-        offsets.append(s.rank * R + lay.offsets[s.param_index])
-        numels.append(s.numel)
+    tensors = [None if flat_grads[i] is None else flat_grads[i][o : o + n] for i, o, _, n in rlayout.entries]
+    offsets = [o for _, _, o, _ in rlayout.entries] + list(rlayout.flag_offsets)
+    numels = [n for *_, n in rlayout.entries] + [len(rlayout.keep)] * len(rlayout.flag_offsets)
     flags = _flags(group, tuple(bool(local[i]) for i in rlayout.keep), device)
-    for r in range(lay.world_size):
-        tensors.append(flags)
-        offsets.append(r * R + lay.shard_size)
-        numels.append(len(rlayout.keep))
-    packed = torch.empty(lay.world_size * R, dtype=reduce_dtype, device=device)
+    tensors += [flags] * len(rlayout.flag_offsets)
+    packed = torch.empty(rlayout.layout.world_size * rlayout.segment, dtype=reduce_dtype, device=device)
     flatten(tensors, offsets, packed, scale=scale, numels=numels)
     return packed
 

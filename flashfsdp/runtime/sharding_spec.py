@@ -60,6 +60,7 @@ class ShardingSpec:
     def __init__(self, mesh, placements: Sequence = ()):
         self.mesh = mesh
         self.placements = tuple(placements)
+        self._specs: dict[tuple, object] = {}  # (shape, dtype) -> DTensorSpec, built once
         if mesh is not None and len(self.placements) != mesh.ndim:
             raise ValueError(f"ShardingSpec: {len(self.placements)} placements for a {mesh.ndim}-D mesh")
 
@@ -74,10 +75,15 @@ class ShardingSpec:
         shares ``local``'s memory and has ``requires_grad=False``."""
         if self.mesh is None:
             return local
-        shape = torch.Size(shape)
-        stride = contiguous_strides(shape)
-        spec = DTensorSpec(self.mesh, self.placements, tensor_meta=TensorMeta(shape, stride, local.dtype))
-        out = make_wrapper_subclass(DTensor, shape, strides=stride, storage_offset=0, dtype=local.dtype,
+        key = (tuple(shape), local.dtype)
+        spec = self._specs.get(key)
+        if spec is None:  # (a DTensorSpec is immutable and costly to build: one per shape and dtype)
+            shape = torch.Size(shape)
+            spec = DTensorSpec(self.mesh, self.placements,
+                               tensor_meta=TensorMeta(shape, contiguous_strides(shape), local.dtype))
+            self._specs[key] = spec
+        meta = spec.tensor_meta
+        out = make_wrapper_subclass(DTensor, meta.shape, strides=meta.stride, storage_offset=0, dtype=local.dtype,
                                     device=local.device, layout=local.layout, requires_grad=False)
         out._spec, out._local_tensor = spec, local  # see [Note: DTensor wrapper storage offset]
         return out
