@@ -56,8 +56,6 @@ def test_the_job_logs_from_rank_0_by_default_and_from_every_rank_with_all(corpus
             assert not lines, lines
 
 
-@pytest.mark.xfail(reason="flashfsdp.bindings.agreement still calls torch.distributed.all_gather_into_tensor "
-                          "for the same-model check (outside this change's files)", strict=False)
 def test_no_deprecation_warning_from_flashfsdps_own_calls(corpus):
     for _, caught in run_distributed(_train_one_step, 2, str(corpus), "0"):
         assert not [w for w in caught if "is deprecated" in w], caught

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flashfsdp.runtime.communicator import Communicator
+from flashfsdp.runtime.process_group import all_gather_single
 
 
 def global_rank() -> int:
@@ -127,7 +128,7 @@ def all_gather_fixed(comm: Communicator, data: bytes, device: torch.device, over
     out = torch.empty(len(data) * comm.world_size, dtype=torch.uint8, device=device)
     group = getattr(comm, "group", None) if over_group and dist.is_initialized() else None
     if group is not None:
-        dist.all_gather_into_tensor(out, mine, group=group)
+        all_gather_single(out, mine, group=group)
     else:
         comm.all_gather_into_tensor(out, mine).wait()
     flat = out.cpu().numpy().tobytes()
