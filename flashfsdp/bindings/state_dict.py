@@ -54,6 +54,9 @@ def install_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
     Each hook handles only the parameters of ``state``'s unit; nested fully_shard'ed modules run
     their own hooks, as ``nn.Module.state_dict`` visits every submodule.
     """
+    # the init windows close before nn.Module reads the parameters (inside one, a parameter's
+    # detach() is its full-shape stand-in)
+    module.register_state_dict_pre_hook(lambda *_: close_init_windows())
     module.register_state_dict_post_hook(functools.partial(_post_state_dict, state))
     module.register_load_state_dict_pre_hook(functools.partial(_pre_load_state_dict, state))
     module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict, state))
@@ -92,16 +95,16 @@ def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, pref
     params = [state.unit.sharded_param(i) for i in range(len(state.registrations))]
     by_param = {id(p): i for i, p in enumerate(params)}
     by_local = {_local_key(p): i for i, p in enumerate(params)}
-    if state.holds_unsharded:
-        by_unsharded = {id(state.unit.unsharded_param(i)): i for i in range(len(params))}
+    if state.holds_unsharded:  # (a detached unsharded view: same memory and shape as the parameter)
+        by_unsharded = {_local_key(state.unit.unsharded_param(i)): i for i in range(len(params))}
     for key, value in list(state_dict.items()):
         if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
             continue
         i = by_param.get(id(value))
         if i is None and is_dtensor(value):
             i = by_local.get(_local_key(value))
-        if i is None and state.holds_unsharded:
-            i = by_unsharded.get(id(value), by_unsharded.get(id(getattr(value, "_base", None))))
+        if i is None and state.holds_unsharded and not is_dtensor(value):
+            i = by_unsharded.get(_local_key(value))
         if i is None:
             continue
         param = params[i]
