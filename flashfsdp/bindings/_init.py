@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from flashfsdp.kernels.validation import SUPPORTED_DTYPES
 from flashfsdp.runtime.comm_factory import KINDS, default_group, register_siblings
@@ -161,7 +162,8 @@ def collect_params(modules: list[nn.Module], ignored: set[int]) -> CollectedPara
 
     Raises:
         ValueError: a parameter that another unit already took over (shared with a separately
-            wrapped module, e.g. tied weights).
+            wrapped module, e.g. tied weights); a 0-dim parameter (as FSDP2).
+        NotImplementedError: a parameter that already is a DTensor (tensor parallelism).
         TypeError: a non-floating-point parameter that requires grad (one that does not is left
             replicated, see :func:`_left_replicated`).
     """
@@ -212,6 +214,11 @@ def _check_param(param: nn.Parameter, fqn: str, top: nn.Module) -> None:
             f"unit: pass the modules that share it to one call, fully_shard([module_a, module_b]), or "
             f"fully_shard only a module that contains all its users"
         )
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"fully_shard: parameter '{fqn}' of {type(top).__name__} is already a DTensor (placements "
+            f"{tuple(param.placements)} on {param.device_mesh}): parameters of tensor or expert parallelism are not "
+            f"supported yet; shard plain parameters, or use torch.distributed.fsdp.fully_shard for 2-D meshes")
     if param.dim() == 0:
         raise ValueError(
             f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1. "

@@ -84,7 +84,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
         ``module`` (or the list), whose classes now also derive from :class:`FSDPModule`.
 
     Raises:
-        ValueError: a module already fully_shard'ed; an empty list; parameters on several devices;
+        ValueError: a module already fully_shard'ed; an empty list; parameters on several devices; a
+            0-dim parameter;
             a parameter already owned by another unit; a mesh of more than 2 dims, a 2-D mesh
             without dim names (or named the other way round), a mesh of another device type or
             without this rank; a ``Communicator`` not over the mesh's (shard) group; an unknown communicator; a
@@ -92,7 +93,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
         TypeError: not an ``nn.Module`` or list of them; a bad parameter dtype, ``mp_policy``,
             ``offload_policy``, ``shard_placement_fn`` or ``reshard_after_forward``.
         RuntimeError: W > 1 requested (``WORLD_SIZE`` set) but torch.distributed not initialised.
-        NotImplementedError: a ``shard_placement_fn`` placement other than ``Shard(0)``.
+        NotImplementedError: a ``shard_placement_fn`` placement other than ``Shard(0)``; a
+            parameter that already is a DTensor (tensor parallelism).
     """
     modules = _init.check_modules(module)
     mp_policy = _init.check_mp_policy(mp_policy)
