@@ -354,8 +354,9 @@ def param_registration_after_backward(rank, world_size, impl):
 def to_float64_after_init(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardCastAfterInit::test_to_float64_after_init
     — ``model.to(float64)`` after fully_shard (with ``swap_module_params_on_conversion``, as
-    upstream's ``wrapSwapTensorsTest(True)``): parameters, their local shards and gradients are
-    float64, and training matches a float64 reference for 10 steps."""
+    upstream's ``wrapSwapTensorsTest(True)``): parameters, their local shards, their DTensor specs'
+    ``tensor_meta`` and gradients are float64, and training matches a float64 reference for 10
+    steps."""
     prev_swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -370,7 +371,8 @@ def to_float64_after_init(rank, world_size, impl):
         model.to(dtype)
         for param in model.parameters():
             assert param.dtype == dtype, param.dtype
-            assert impl.local(param).dtype == dtype, impl.local(param).dtype
+            assert param.to_local().dtype == dtype, param.to_local().dtype
+            assert param._spec.tensor_meta.dtype == dtype, param._spec.tensor_meta.dtype
         optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
         impl.check_sharded_parity(ref_model, model)
         rank_seed(rank)
@@ -386,8 +388,10 @@ def to_float64_after_init(rank, world_size, impl):
             losses.append(pair[1].detach())
             impl.check_sharded_parity(ref_model, model)
             for param in model.parameters():
-                assert param.dtype == dtype and impl.local(param).dtype == dtype
-                assert param.grad.dtype == dtype and impl.local(param.grad).dtype == dtype, param.grad.dtype
+                assert param.dtype == dtype and param.to_local().dtype == dtype
+                assert param._spec.tensor_meta.dtype == dtype, param._spec.tensor_meta.dtype
+                assert param.grad.dtype == dtype and param.grad.to_local().dtype == dtype, param.grad.dtype
+                assert param.grad._spec.tensor_meta.dtype == dtype, param.grad._spec.tensor_meta.dtype
             for _optim in (ref_optim, optim):
                 _optim.step()
                 _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
@@ -397,7 +401,9 @@ def to_float64_after_init(rank, world_size, impl):
 
 
 # ============================================================================ TestFullyShard1DTrainingCore
-def _train_parity_single_group(rank, impl, lin_shapes):
+def _single_group(rank, impl, lin_shapes):
+    """Upstream's ``_test_train_parity_single_group`` setup: Linear-ReLU-Linear as one unit, its
+    replicated reference, Adam on both, this rank's input: (ref_model, ref_optim, model, optim, inp)."""
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(*lin_shapes[0]), nn.ReLU(), nn.Linear(*lin_shapes[1]))
     ref_model = copy.deepcopy(model)
@@ -405,7 +411,11 @@ def _train_parity_single_group(rank, impl, lin_shapes):
     impl.fully_shard(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     rank_seed(rank)
-    inp = (torch.randn((4, lin_shapes[0][0])),)
+    return ref_model, ref_optim, model, optim, (torch.randn((4, lin_shapes[0][0])),)
+
+
+def _train_parity_single_group(rank, impl, lin_shapes):
+    ref_model, ref_optim, model, optim, inp = _single_group(rank, impl, lin_shapes)
     return train_parity(impl, ref_model, ref_optim, model, optim, [inp] * 10)
 
 
@@ -1106,7 +1116,8 @@ def train_parity_shard_placement_fn_shard_dim0(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardShardPlacementFnMultiProcess::test_train_parity_shard_placement_fn_shard_largest_dim
     — its dim-0 variant: ``shard_placement_fn`` returning ``Shard(0)`` for every parameter (a unit
     per block and the root); full parameters equal the reference's at init and after 5 AdamW
-    steps, losses equal each step. (The largest-dim placement is not applicable to flat units.)"""
+    steps, losses equal each step. (The largest-dim placement is not ported: flashfsdp shards dim 0
+    only, another placement raises NotImplementedError.)"""
     from torch.distributed.tensor import Shard  # noqa: PLC0415
 
     model_args = ModelArgs(n_layers=3, dropout_p=0.0)
@@ -1147,8 +1158,8 @@ def train_parity_shard_placement_fn_shard_dim0(rank, world_size, impl):
 @cases.case(world_size=4)
 def shard_placement_fn_contiguous_params_grads_dim0(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardShardPlacementFnMultiThread::test_shard_placement_fn_contiguous_params_grads
-    — its dim-0 variant (the default placement, upstream's ``Shard(1)`` for matrices is not
-    applicable to flat units): sharded parameters and their local shards are contiguous, the
+    — its dim-0 variant (the default placement; upstream's ``Shard(1)`` for matrices is not ported:
+    flashfsdp shards dim 0 only): sharded parameters and their local shards are contiguous, the
     unsharded parameters seen in each module's forward are contiguous, and so are the gradients."""
     dim = 4
     torch.manual_seed(42)
@@ -1524,14 +1535,35 @@ def share_comm_context(rank, world_size, impl):
 @cases.case(world_size=1)
 def train_parity_single_worldsize1(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardWorldSize1::test_train_parity_single_worldsize1
-    — W = 1 (a one-rank process group): training matches the plain model for 10 Adam steps and no
-    collective is issued."""
+    — W = 1 (a one-rank process group): training matches the plain model for 10 Adam steps, and
+    each step's forward/backward issues no collective: none under upstream's ``CommDebugMode``
+    (a fresh one per step, as upstream), none through the implementation's own collectives
+    (``impl.count_collectives()``)."""
+    from torch.distributed.tensor.debug import CommDebugMode  # noqa: PLC0415
+
     out = {}
     for lin_shapes in ([(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]):
-        with impl.count_collectives() as c:
-            out[str(lin_shapes)] = _train_parity_single_group(rank, impl, lin_shapes)
-        n = c.all_gather + c.reduce_scatter + c.all_reduce
-        assert n == 0, f"W = 1 issued {n} collectives ({c})"
+        ref_model, ref_optim, model, optim, inp = _single_group(rank, impl, lin_shapes)
+        losses = []
+        for iter_idx in range(10):
+            ref_optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            ref_loss = ref_model(*inp).sum()
+            ref_loss.backward()
+            ref_optim.step()
+
+            optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            comm_mode = CommDebugMode()
+            with impl.count_collectives() as c, comm_mode:
+                loss = model(*inp).sum()
+                loss.backward()
+            assert comm_mode.get_total_counts() == 0, f"{lin_shapes}, iteration {iter_idx}: {comm_mode.get_comm_counts()}"
+            n = c.all_gather + c.reduce_scatter + c.all_reduce
+            assert n == 0, f"{lin_shapes}, iteration {iter_idx}: W = 1 issued {n} collectives ({c})"
+            optim.step()
+            assert_close(loss, ref_loss, f"{lin_shapes}, iteration {iter_idx}: loss")
+            losses.append(loss.detach())
+        impl.check_sharded_parity(ref_model, model)
+        out[str(lin_shapes)] = torch.stack(losses)
     return out
 
 
