@@ -1,5 +1,5 @@
 """Optimizer step alone: flashfsdp.optim.AdamW (one flat tensor per unit) vs torch's AdamW on
-flashfsdp pieces vs torch's AdamW on FSDP2 DTensors.
+flashfsdp's DTensor parameters vs torch's AdamW on FSDP2 DTensors.
 
     python -m benchmarks.optim_step [--world-size 2] [--layers 48] [--dim 128] [--repeats 10] [--rounds 3] [--out DIR]
 
@@ -10,8 +10,8 @@ are, for each system in turn, round after round (the rounds interleave the syste
 whose speed drifts slows each alike):
 
 - ``flashfsdp flat AdamW``: ``flashfsdp.optim.AdamW`` (torch's fused AdamW kernel over one run per unit);
-- ``torch AdamW(foreach) on flashfsdp pieces`` / ``torch AdamW(fused) on flashfsdp pieces``: the
-  stock optimizer over the same pieces, one tensor per parameter;
+- ``torch AdamW(foreach) on flashfsdp DTensors`` / ``torch AdamW(fused) on flashfsdp DTensors``: the
+  stock optimizer over the same DTensor parameters, one tensor per parameter;
 - ``torch AdamW(foreach) on FSDP2 DTensors``: what an FSDP2 job steps;
 - ``flashfsdp clip_grad_norm_ + flat AdamW`` / ``flashfsdp flat AdamW(max_grad_norm)``: clipping
   (max norm 1.0) and the step, as two calls (norm, a scaling pass, the step) and folded into the
@@ -40,8 +40,8 @@ from benchmarks.step import _model, _wrap
 
 SYSTEMS = {  # name: (how the model is sharded, how the optimizer is built)
     "flashfsdp flat AdamW": ("flashfsdp", "flat"),
-    "torch AdamW(foreach) on flashfsdp pieces": ("flashfsdp", "foreach"),
-    "torch AdamW(fused) on flashfsdp pieces": ("flashfsdp", "fused"),
+    "torch AdamW(foreach) on flashfsdp DTensors": ("flashfsdp", "foreach"),
+    "torch AdamW(fused) on flashfsdp DTensors": ("flashfsdp", "fused"),
     "torch AdamW(foreach) on FSDP2 DTensors": ("fsdp2", "foreach"),
     "flashfsdp clip_grad_norm_ + flat AdamW": ("flashfsdp", "flat+clip"),
     "flashfsdp flat AdamW(max_grad_norm)": ("flashfsdp", "flat-clip"),
@@ -152,7 +152,7 @@ def main(argv=None) -> list[dict]:
     notes = [f"Llama dim {args.dim}, {args.layers} layers + the root = {args.layers + 1} units, fp32, W = "
              f"{args.world_size} ({backend}); optimizer.step() alone on fixed gradients, median of {args.repeats} "
              f"steps after 1 warm-up, slowest rank, median over {args.rounds} interleaved rounds.",
-             "tensors: per rank and step (flat AdamW: runs of consecutive pieces, one per unit here; the others: "
+             "tensors: per rank and step (flat AdamW: runs of consecutive parameters, one per unit here; the others: "
              "one per parameter).",
              "On a CPU shared with other work (the 2-core CI machine), timings vary by tens of percent from run to run: "
              "compare the ratios within one run."]

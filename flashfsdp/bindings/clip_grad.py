@@ -103,8 +103,10 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.
                     error: BaseException | None = None, error_if_nonfinite: bool = False) -> torch.Tensor:
     """The ``norm_type``-norm of every gradient of ``params`` across ranks (0-dim fp32 on ``device``):
     per communicator of ``comms`` (:func:`unit_communicators`), the sum (max for inf) of its sharded
-    pieces' terms, all-reduced once together with a failure flag; replicated parameters' terms
-    added once. Collective over ``comms``.
+    parameters' terms, all-reduced once together with a failure flag; replicated parameters' terms
+    added once. Collective over ``comms``. A flat group whose every parameter is given with the
+    gradient its reduction exposed contributes one term over its whole gradient shard (the
+    padding is zero), not one per parameter.
 
     Raises:
         ``error`` (this rank's refused argument) or a non-finite norm (``error_if_nonfinite``) of
@@ -113,10 +115,15 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.
     is_inf = math.isinf(norm_type)
     terms_by_comm: dict[int, list[torch.Tensor]] = {key: [] for key in comms}
     replicated: list[torch.Tensor] = []
+    whole = _whole_groups(params)
+    for group in whole.values():
+        terms_by_comm[id(group.sharded_params[0]._flashfsdp_unit.comm)].append(_norm_term(group.sharded_grad, norm_type))
     for p in params:
         if p.grad is None:
             continue
         group = getattr(p, "_flashfsdp_group", None)
+        if group is not None and id(group) in whole:
+            continue
         if group is None:
             replicated.append(_norm_term(p.grad.full_tensor() if is_dtensor(p.grad) else p.grad, norm_type))
         else:
@@ -143,6 +150,25 @@ def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is not finite ({total.item()} on "
                            f"this rank{', and not finite on another' if nonfinite_elsewhere else ''}); no gradient was clipped")
     return total
+
+
+def _whole_groups(params: list[torch.Tensor]) -> dict:
+    """``id(group) -> group`` of the flat groups whose every parameter is in ``params`` with the
+    DTensor gradient the group's reduction exposed (so the gradient shard holds exactly their
+    gradients, zeros in the padding)."""
+    seen: dict[int, tuple] = {}
+    for p in params:
+        group = getattr(p, "_flashfsdp_group", None)
+        if group is not None and p.grad is not None:
+            seen.setdefault(id(group), (group, set()))[1].add(p._flashfsdp_index)
+    whole = {}
+    for key, (group, indices) in seen.items():
+        exposed = group._grad_tensors
+        if (len(indices) == len(group.sharded_params) and exposed is not None
+                and exposed[0] is group.sharded_grad
+                and all(p.grad is g for p, g in zip(group.sharded_params, exposed[1]))):
+            whole[key] = group
+    return whole
 
 
 def _remote_failure(payload: torch.Tensor, device: torch.device, synchronising: bool, rank: int) -> bool:

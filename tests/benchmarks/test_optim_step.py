@@ -22,7 +22,7 @@ def test_toy_run_writes_every_file_with_every_column(tmp_path):
     assert [r["system"] for r in table] == list(SYSTEMS)
     by = {r["system"]: r for r in rows}
     assert by["flashfsdp flat AdamW"]["tensors"] == 4  # one run per unit: 3 blocks and the root
-    assert by["torch AdamW(foreach) on flashfsdp pieces"]["tensors"] == by["torch AdamW(foreach) on FSDP2 DTensors"]["tensors"]
+    assert by["torch AdamW(foreach) on flashfsdp DTensors"]["tensors"] == by["torch AdamW(foreach) on FSDP2 DTensors"]["tensors"]
     assert all(r["step_ms"] > 0 for r in rows)
     assert by["torch AdamW(foreach) on FSDP2 DTensors"]["vs_fsdp2_foreach"] == 1.0
 
