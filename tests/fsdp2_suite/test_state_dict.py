@@ -159,18 +159,19 @@ def _test_state_dict_save_load(rank, impl, model: nn.Module) -> int:
     return len(state_dict)
 
 
-def _test_dp_state_dict_save_load(rank, impl, mlp_dim: int) -> list[int]:
-    """Upstream's ``_test_dp_state_dict_save_load`` on a 1-D mesh without ``shard_placement_fn``."""
+def _test_dp_state_dict_save_load(rank, impl, mlp_dim: int, mesh=None) -> list[int]:
+    """Upstream's ``_test_dp_state_dict_save_load`` without ``shard_placement_fn``, on ``mesh``
+    (None: the default 1-D mesh)."""
     base_model = mlp_stack(mlp_dim)
     # Check basic `reshard_after_forward=True`
-    model1 = shard_children(impl, copy.deepcopy(base_model))
+    model1 = shard_children(impl, copy.deepcopy(base_model), mesh=mesh)
     # The keys (and their order) are the unsharded model's
     assert list(model1.state_dict()) == list(base_model.state_dict()), (
         f"{list(model1.state_dict())} vs {list(base_model.state_dict())}")
     out = [_test_state_dict_save_load(rank, impl, model1)]
 
     # Check `reshard_after_forward=False` before and after a forward
-    model2 = shard_children(impl, copy.deepcopy(base_model), reshard_after_forward=False)
+    model2 = shard_children(impl, copy.deepcopy(base_model), mesh=mesh, reshard_after_forward=False)
     out.append(_test_state_dict_save_load(rank, impl, model2))
     ref_sharded_sd = model2.state_dict()
     inp = torch.randn((2, mlp_dim))
@@ -194,6 +195,17 @@ def dp_state_dict_save_load(rank, world_size, impl):
     writes them in place, and with ``reshard_after_forward=False`` the state dict after a forward
     is the sharded one from before."""
     return [_test_dp_state_dict_save_load(rank, impl, mlp_dim) for mlp_dim in (2, 3, 4, 5)]
+
+
+@cases.case(world_size=4)
+def dp_state_dict_save_load_hsdp(rank, world_size, impl):
+    """Upstream: test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load
+    (its HSDP subtests: a (W/2, 2) mesh named ("dp_replicate", "dp_shard"), mlp_dim 2..5) — the same
+    checks with ``(Replicate(), Shard(0))`` DTensor values."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return [_test_dp_state_dict_save_load(rank, impl, mlp_dim, mesh) for mlp_dim in (2, 3, 4, 5)]
 
 
 @cases.case()
