@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import flashfsdp
 from flashfsdp.runtime.communicator import Communicator
@@ -63,30 +64,50 @@ def local_rows(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return x[rank * b : (rank + 1) * b]
 
 
-def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Assemble every parameter's full value from the ranks' local pieces (all_gather_object).
+def _rows_held(t: torch.Tensor) -> tuple[int, tuple[int, ...], torch.Tensor]:
+    """(first dim-0 row, full shape, local values) of what this rank holds of ``t``: of a DTensor
+    sharded on dim 0, its local chunk at the row ``torch.chunk`` over the mesh dimension puts it
+    (``Replicate`` dimensions hold the same chunk on every replica); of a plain tensor, all of it.
+    Worked out from the placements and the mesh coordinate only, not from the runtime's layout."""
+    if not isinstance(t, DTensor):
+        return 0, tuple(t.shape), t.detach().clone()
+    start, coordinate = 0, t.device_mesh.get_coordinate()
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Shard):
+            assert placement.dim == 0, f"only dim-0 sharding is expected, got {t.placements}"
+            k = -(-t.shape[0] // t.device_mesh.size(dim))
+            start = min(coordinate[dim] * k, t.shape[0])
+        else:
+            assert isinstance(placement, Replicate), f"unexpected placement {placement}"
+    return start, tuple(t.shape), t.to_local().detach().clone()
 
-    Independent of the runtime's own gathering: it only reads each piece's recorded range. Reading
-    the pieces' own values ends an init window (a meta-device model initialised in place).
+
+def _assemble(held_by_rank) -> torch.Tensor:
+    """A full tensor (float32) from every rank's ``_rows_held``; NaN where no rank held rows."""
+    shape = held_by_rank[0][1]
+    full = torch.full(shape, float("nan"))
+    for start, _, data in held_by_rank:
+        if data.dim() == 0:
+            full = data.float().clone()
+        elif data.numel():
+            full[start : start + data.shape[0]] = data.float()
+    return full
+
+
+def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Assemble every parameter's full value from the ranks' local chunks (all_gather_object).
+
+    Independent of the runtime's own gathering: it only reads each DTensor parameter's local
+    tensor and places it at the rows FSDP2's dim-0 chunking gives its mesh coordinate. Reading
+    the parameters' own values ends an init window (a meta-device model initialised in place).
     """
     from flashfsdp.bindings.init_window import close_init_windows  # noqa: PLC0415
 
     close_init_windows()
-    mine = {}
-    for name, p in model.named_parameters():
-        piece = getattr(p, "_flashfsdp_piece", None)
-        if piece is None:
-            mine[name] = (0, tuple(p.shape), p.detach().reshape(-1).clone())
-        else:
-            mine[name] = (piece.param_start, tuple(p._flashfsdp_full_shape), p.detach().clone())
+    mine = {name: _rows_held(p) for name, p in model.named_parameters()}
     everyone = _everyone(mine)
-    full = {}
-    for rank_pieces in everyone:
-        for name, (start, shape, data) in rank_pieces.items():
-            buf = full.setdefault(name, torch.full((int(torch.Size(shape).numel()),), float("nan")))
-            buf[start : start + data.numel()] = data.float()
     # ".inner." comes from the activation-checkpointing wrapper; the reference has no wrapper.
-    return {name.replace(".inner.", "."): buf.view(everyone[0][name][1]) for name, buf in full.items()}
+    return {name.replace(".inner.", "."): _assemble([held[name] for held in everyone]) for name in mine}
 
 
 def _everyone(mine: object) -> list:
@@ -99,23 +120,17 @@ def _everyone(mine: object) -> list:
 
 
 def gather_full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """name -> {state key: full tensor} assembled from every rank's optimizer state of its pieces.
+    """name -> {state key: full tensor} assembled from every rank's optimizer state of its chunks.
 
-    Collective. Independent of the runtime's own state dicts: it only reads each piece's recorded
-    range; scalars (``step``) are taken as they are.
+    Collective. Independent of the runtime's own state dicts: it only reads each state DTensor's
+    local tensor, placed as :func:`gather_full_params` places a parameter's; scalars (``step``)
+    are taken as they are.
     """
-    mine = {name: (p._flashfsdp_piece.param_start, tuple(p._flashfsdp_full_shape),
-                   {k: v.clone() for k, v in opt.state[p].items()}) for name, p in model.named_parameters()}
-    full: dict[str, dict[str, torch.Tensor]] = {}
-    for pieces in _everyone(mine):
-        for name, (start, shape, entries) in pieces.items():
-            for key, value in entries.items():
-                if value.dim() == 0:
-                    full.setdefault(name, {})[key] = value
-                else:
-                    flat = full.setdefault(name, {}).setdefault(key, torch.full(shape, float("nan"))).view(-1)
-                    flat[start : start + value.numel()] = value
-    return full
+    mine = {name: {k: _rows_held(v) for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
+    everyone = _everyone(mine)
+    return {name: {key: _assemble([held[name][key] for held in everyone]) if entries[key][2].dim()
+                   else entries[key][2] for key in entries}
+            for name, entries in mine.items()}
 
 
 def train_flashfsdp(kind: str, rank: int, world_size: int, steps: int = 5, *, mp_policy=None,

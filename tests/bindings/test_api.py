@@ -7,6 +7,7 @@ import copy
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 import flashfsdp
 from tests.harness import run_distributed
@@ -22,10 +23,10 @@ def test_sharded_parameters_carry_fully_qualified_names():
         flashfsdp.fully_shard(layer.attention)
         flashfsdp.fully_shard(layer)
     flashfsdp.fully_shard(model)
-    pieces = list(model.named_parameters())
-    assert [n for n, _ in pieces] == names
-    for name, piece in pieces:
-        assert piece._flashfsdp_fqn == name
+    params = list(model.named_parameters())
+    assert [n for n, _ in params] == names
+    for name, param in params:
+        assert param._flashfsdp_fqn == name
     fqns = [fqn for m in model.modules() if hasattr(m, "_flashfsdp_state")
             for g in m._flashfsdp_state.unit.groups for fqn in g.fqns]
     assert sorted(fqns) == sorted(names)
@@ -46,7 +47,7 @@ def test_reshard_after_forward_none_is_fsdp2_default():
     out.sum().backward()
     ref(x).sum().backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad.reshape(-1), msg=name)
+        torch.testing.assert_close(p.grad, q.grad, msg=name)  # one process: full-shape plain tensors
 
 
 def _manual_unshard(rank, world_size):
@@ -61,31 +62,36 @@ def _manual_unshard(rank, world_size):
     handle.wait()
     handle.wait()  # a second wait does nothing
     model.unshard()
-    full_shapes = [tuple(p.shape) for p in model.parameters()]
+    unsharded = [(tuple(p.shape), isinstance(p, DTensor)) for p in model.parameters()]
     out = model(local_rows(x, rank, world_size))
     out.pow(2).sum().backward()
     model.reshard()
     model[0].reshard()
-    piece_dims = [p.dim() for p in model.parameters()]
+    sharded = [(tuple(p.shape), tuple(p.placements), tuple(p.to_local().shape)) for p in model.parameters()]
     held = [m._flashfsdp_state.unit.memory_bytes()["unsharded"] for m in (model, model[0])]
     # The sum over ranks' rows of the squared outputs: the gradient is the sum of the ranks'.
-    grads = {n: (p._flashfsdp_piece.param_start, p.grad.clone() * world_size) for n, p in model.named_parameters()}
+    grads = {n: (tuple(p.grad.placements), p.grad.to_local().clone() * world_size) for n, p in model.named_parameters()}
     ref(x).pow(2).sum().backward()
     return {
-        "handle": unsharded_before_wait, "full_shapes": full_shapes, "piece_dims": piece_dims, "held": held,
+        "handle": unsharded_before_wait, "unsharded": unsharded, "sharded": sharded, "held": held,
         "out": out.detach(), "want_out": ref(local_rows(x, rank, world_size)).detach(), "grads": grads,
-        "ref_grads": {n: p.grad.reshape(-1) for n, p in ref.named_parameters()},
+        "ref_grads": {n: torch.chunk(p.grad, world_size, 0)[rank] for n, p in ref.named_parameters()},
         "params": gather_full_params(model), "ref_params": {n: p.detach() for n, p in ref.named_parameters()},
     }
 
 
 def test_manual_unshard_async_and_reshard_around_forward():
-    for r in run_distributed(_manual_unshard, 2):
+    shapes = [(6, 5), (6,), (3, 6), (3,)]
+    for rank, r in enumerate(run_distributed(_manual_unshard, 2)):
         assert r["handle"]
-        assert r["full_shapes"] == [(6, 5), (6,), (3, 6), (3,)]  # full views while unsharded
-        assert r["piece_dims"] == [1, 1, 1, 1] and r["held"] == [0, 0]  # pieces again after reshard
+        assert r["unsharded"] == [(s, False) for s in shapes]  # full plain views while unsharded
+        # DTensors again after reshard: rank r's dim-0 chunk (3 of 6 rows, 2 of 3 rows or 1)
+        assert r["sharded"] == [(s, (Shard(0),), (len(torch.chunk(torch.empty(s), 2, 0)[rank]),) + s[1:])
+                                for s in shapes]
+        assert r["held"] == [0, 0]
         torch.testing.assert_close(r["out"], r["want_out"], rtol=1e-6, atol=1e-6)
-        for name, (start, grad) in r["grads"].items():
-            torch.testing.assert_close(grad, r["ref_grads"][name][start : start + grad.numel()], rtol=1e-5, atol=1e-6)
+        for name, (placements, grad) in r["grads"].items():
+            assert placements == (Shard(0),), name
+            torch.testing.assert_close(grad, r["ref_grads"][name], rtol=1e-5, atol=1e-6)
         for name, want in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], want)

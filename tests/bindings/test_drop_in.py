@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 import flashfsdp
 from flashfsdp import MixedPrecisionPolicy, fully_shard
@@ -51,25 +52,37 @@ def _average(ref: nn.Module) -> None:
             p.grad.div_(dist.get_world_size())
 
 
+def _chunk(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """What ``param`` holds locally of a full-shape tensor ``full``: FSDP2's dim-0 chunk of this
+    rank (``torch.chunk``) for a DTensor parameter, all of it for a plain one (one process)."""
+    if not isinstance(param, DTensor):
+        return full
+    assert param.placements == (Shard(0),), param.placements
+    return torch.chunk(full, param.device_mesh.size(), 0)[param.device_mesh.get_local_rank()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _check_grads(model: nn.Module, ref: nn.Module, tol=TOL) -> None:
-    """Each sharded piece's gradient is its range of the reference's, and None exactly where the
-    reference's is None."""
+    """Each sharded parameter's gradient is a DTensor of its placements whose local tensor is this
+    rank's chunk of the reference's, and None exactly where the reference's is None."""
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         if r.grad is None:
             assert p.grad is None, f"{name}: the reference has no gradient, the sharded model has one"
             continue
         assert p.grad is not None, f"{name}: no gradient"
-        start = p._flashfsdp_piece.param_start
-        torch.testing.assert_close(p.grad, r.grad.reshape(-1)[start : start + p.numel()], **tol,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert type(p.grad) is type(p.data) and p.grad.shape == p.shape, (name, type(p.grad), p.grad.shape)
+        if isinstance(p, DTensor):
+            assert p.grad.placements == p.placements, (name, p.grad.placements)
+        torch.testing.assert_close(_local(p.grad), _chunk(p, r.grad), **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _check_params(model: nn.Module, ref: nn.Module, tol=TOL) -> None:
-    close_init_windows()  # reading the pieces' own values ends an initialisation
+    close_init_windows()  # reading the parameters' own values ends an initialisation
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-        start = p._flashfsdp_piece.param_start
-        local = p.detach()
-        torch.testing.assert_close(local, r.detach().reshape(-1)[start : start + local.numel()], **tol,
+        torch.testing.assert_close(_local(p.detach()), _chunk(p, r.detach()), **tol,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -328,8 +341,7 @@ def _accumulate_in_reduce_dtype(rank, world_size, micro_batches):
         dist.all_reduce(want[n])
         want[n] /= world_size
     for name, p in model.named_parameters():
-        start = p._flashfsdp_piece.param_start
-        torch.testing.assert_close(p.grad, want[name].reshape(-1)[start : start + p.numel()], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(p.grad.to_local(), _chunk(p, want[name]), rtol=1e-6, atol=1e-6)
 
 
 def test_no_sync_accumulation_runs_in_reduce_dtype():
@@ -409,7 +421,7 @@ def _meta_init(rank, world_size, tmp):
             m.reset_parameters()
     # Only this rank's shard exists, and it holds exactly the unsharded init's values.
     _check_params(model, ref, dict(rtol=0, atol=0))
-    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in ref.parameters())
+    assert sum(p.to_local().numel() for p in model.parameters()) < sum(p.numel() for p in ref.parameters())
     torch.manual_seed(rank + 1)
     tokens = torch.randint(0, 11, (2, 5))
     _train_both(model, ref, lambda m: m(tokens).sum(), steps=1)
@@ -431,13 +443,16 @@ def test_meta_device_init_materialises_shards_with_the_unsharded_values(tmp_path
     torch.testing.assert_close(out[0].shape, out[1].shape)
 
 
-@pytest.mark.parametrize("init", [
-    lambda w: nn.init.trunc_normal_(w, std=1.0, a=-0.2, b=0.2),  # rejection sampling: reads what it drew
-    lambda w: nn.init.trunc_normal_(w, std=0.02),
-    nn.init.orthogonal_,  # a QR of a full random matrix
-    lambda w: w.data.normal_(0, 0.02) if w.dim() else None,  # Hugging Face's _init_weights idiom
-], ids=["trunc_normal_narrow", "trunc_normal_wide", "orthogonal", "data_normal"])
-def test_meta_device_init_runs_any_init_code_on_the_full_shape(init):
+INITS = {
+    "trunc_normal_narrow": lambda w: nn.init.trunc_normal_(w, std=1.0, a=-0.2, b=0.2),  # rejection sampling
+    "trunc_normal_wide": lambda w: nn.init.trunc_normal_(w, std=0.02),
+    "orthogonal": nn.init.orthogonal_,  # a QR of a full random matrix
+    "data_normal": lambda w: w.data.normal_(0, 0.02) if w.dim() else None,  # Hugging Face's _init_weights idiom
+}
+
+
+def _init_on_full_shape(rank, world_size, name):
+    init = INITS[name]
     torch.manual_seed(0)
     ref = nn.Linear(6, 5)
     torch.manual_seed(1)
@@ -446,13 +461,20 @@ def test_meta_device_init_runs_any_init_code_on_the_full_shape(init):
         model = nn.Linear(6, 5)
     fully_shard(model)
     model.to_empty(device="cpu")
-    assert model.weight.shape == (5, 6)  # inside the init window: the full shape
+    assert model.weight.shape == (5, 6)  # the full shape, inside the init window as after it
     torch.manual_seed(1)
     init(model.weight)
     close_init_windows()  # as the first forward, state_dict() or optimizer step does
-    local = model.weight.detach()
-    assert local.shape == (30,) and model.weight.shape == (30,)  # this rank's piece again
-    assert torch.equal(local, ref.weight.detach().reshape(-1))
+    assert type(model.weight.data) is DTensor and model.weight.placements == (Shard(0),)
+    local = model.weight.to_local()
+    assert local.shape == (3 - rank, 6)  # this rank's dim-0 chunk (rows 0-2 or 3-4)
+    assert torch.equal(local, torch.chunk(ref.weight.detach(), world_size, 0)[rank])
+    assert torch.equal(model.weight.full_tensor(), ref.weight.detach())
+
+
+@pytest.mark.parametrize("name", sorted(INITS))
+def test_meta_device_init_runs_any_init_code_on_the_full_shape(name):
+    run_distributed(_init_on_full_shape, 2, name)
 
 
 # ------------------------------------------------------------------ a list of modules as one unit
@@ -507,4 +529,4 @@ def test_cpu_offload_trains_on_the_gpu_with_shards_in_pinned_host_memory():
             o.zero_grad()
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         assert p.device.type == "cpu", name
-        torch.testing.assert_close(p.detach(), r.detach().cpu().reshape(-1)[: p.numel()], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach(), r.detach().cpu(), rtol=1e-5, atol=1e-6)  # one process: full tensors

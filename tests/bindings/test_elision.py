@@ -33,7 +33,7 @@ def _train(build, batches, loss_fn, elide: bool) -> dict:
     model.set_backward_all_gather_elision(elide)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     counters = [_profiled_step(model, opt, batch, loss_fn) for batch in batches]
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}  # this rank's chunks
     return {"params": params, "counters": counters}
 
 

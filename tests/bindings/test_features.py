@@ -1,4 +1,5 @@
-"""Frozen parameters, all_gather_with_grad, tied parameters, memory accounting, zero copy-out."""
+"""Frozen parameters, all_gather_with_grad, tied parameters, memory accounting, the unshard's
+copies (zero copy-out where the gathered buffer is the unsharded layout)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -17,6 +17,7 @@ from flashfsdp.bindings.autograd import in_backward
 from flashfsdp.kernels.dispatch import use_backend
 from flashfsdp.runtime.flat_param import FlatParam
 from flashfsdp.runtime.process_group import ProcessGroupCommunicator
+from flashfsdp.runtime.reduce import ReduceLayout
 from tests.harness import run_distributed
 from tests.training import CountingCommunicator, gather_full_params, local_rows
 
@@ -63,7 +64,9 @@ def _lora(rank, world_size):
         "frozen_grads": frozen_grads,
         "frozen_grad_buffers": [g.sharded_grad for g in frozen_groups],
         "rs_numels": comm.reduce_scatter_numels,
-        "trainable_total": sum(g.layout.total for s in (model[0], model[2]) for g in s._flashfsdp_state.unit.groups if g.requires_grad),
+        # What one reduce-scatter of a group carries: W segments of its shard and its flags.
+        "trainable_rs": sorted(world_size * ReduceLayout.of(g).segment for s in (model[0], model[2])
+                               for g in s._flashfsdp_state.unit.groups if g.requires_grad),
     }
 
 
@@ -76,7 +79,8 @@ def test_frozen_parameters_cost_no_gradient_communication_or_memory():
         assert all(g is None for g in r["frozen_grads"])
         assert all(b is None for b in r["frozen_grad_buffers"])
         # Each step reduce-scatters exactly the trainable groups of the two LoRA units.
-        assert sum(r["rs_numels"]) == 3 * r["trainable_total"]
+        assert len(r["trainable_rs"]) == 2
+        assert sorted(r["rs_numels"]) == sorted(r["trainable_rs"] * 3)
 
 
 def _info_nce(rank, world_size):
@@ -95,17 +99,9 @@ def _info_nce(rank, world_size):
     q_local = encoder(local_rows(queries, rank, world_size))
     k_all = flashfsdp.all_gather_with_grad(encoder(local_rows(keys, rank, world_size)))
     loss_of(q_local, k_all, 3 * rank).backward()
-    grads = {n: p.grad.clone() for n, p in encoder.named_parameters()}
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, {n: (p._flashfsdp_piece.param_start, g) for (n, p), g in zip(encoder.named_parameters(), grads.values())})
-    full = {}
-    for pieces in everyone:
-        for n, (start, gr) in pieces.items():
-            shape = dict(ref.named_parameters())[n].shape
-            buf = full.setdefault(n, torch.zeros(shape.numel()))
-            buf[start : start + gr.numel()] = gr
+    grads = {n: p.grad.to_local().clone() for n, p in encoder.named_parameters()}  # this rank's dim-0 chunks
     loss_of(ref(queries), ref(keys), 0).backward()
-    return {"grads": full, "ref": {n: p.grad.reshape(-1) for n, p in ref.named_parameters()}}
+    return {"grads": grads, "ref": {n: torch.chunk(p.grad, world_size, 0)[rank] for n, p in ref.named_parameters()}}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -202,7 +198,8 @@ def _memory(rank, world_size):
                 return  # the forward's peak: the backward adds the gradient shards as it goes
             mem = [s.unit.memory_bytes() for s in states]
             runtime = sum(m["sharded"] + m["unsharded"] + m["secondary"] for m in mem)
-            adam = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim() > 0)
+            adam = sum(t.to_local().numel() * t.element_size()  # DTensor state: this rank's chunk
+                       for st in opt.state.values() for t in st.values() if t.dim() > 0)
             peak["held"] = max(peak["held"], runtime + adam)
             grads = sum(g.sharded_grad is not None for s in states for g in s.unit.groups)
             peak["grads_in_forward"] = max(peak["grads_in_forward"], grads)
@@ -305,10 +302,11 @@ class _CountWrites(TorchDispatchMode):
         return out
 
 
-def _zero_copy(rank, world_size):
-    """Unshard a bf16 unit: elements written by aten ops, where its parameters live in forward."""
+def _unshard_writes(rank, world_size, single=False):
+    """Unshard a bf16 unit (``single``: of one parameter): elements written by aten ops, where its
+    parameters live after unshard and in forward."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    model = nn.Linear(16, 32, bias=False) if single else nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
     ref = copy.deepcopy(model).to(torch.bfloat16)
     flashfsdp.fully_shard(model, mp_policy=flashfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     (group,) = model._flashfsdp_state.unit.groups
@@ -326,36 +324,51 @@ def _zero_copy(rank, world_size):
         buf = group.unsharded_flat
         lo, hi = buf.data_ptr(), buf.data_ptr() + buf.untyped_storage().nbytes()
         in_forward.extend(lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= hi
-                          for p in module.parameters())
+                          for p in module.parameters(recurse=False))
 
-    for layer in model:
+    for layer in [model] if single else model:
         layer.register_forward_pre_hook(record)  # runs inside the root's forward, after its unshard
     x = torch.randn(3, 16)
     with torch.no_grad():
         out = model(x)
         want = ref(x.to(torch.bfloat16))
+    lay = group.layout
     return {
-        "written": counter.written, "shard_size": group.layout.shard_size, "offsets": list(group.layout.offsets),
+        "written": counter.written, "shard_size": lay.shard_size, "numel": sum(lay.numels),
+        "zero_copy": lay.zero_copy, "unsharded_offsets": list(lay.unsharded_offsets), "params": len(lay.numels),
         "after_unshard": after_unshard, "freed": freed, "in_forward": in_forward, "out": out, "want": want,
     }
 
 
-def _assert_zero_copy(r):
-    # Only the copy-in writes (S elements); the parameters are views of the all-gathered buffer.
-    assert 0 < r["written"] <= r["shard_size"]
-    assert r["after_unshard"] == [(off * 2, torch.bfloat16) for off in r["offsets"]]
+def _assert_unshard_writes(r, zero_copy):
+    assert r["zero_copy"] is zero_copy
+    if zero_copy:
+        # Only the copy-in writes (S elements); the parameters are views of the all-gathered buffer.
+        assert 0 < r["written"] <= r["shard_size"]
+    else:
+        # The copy-in (S elements), then one copy-out of every parameter's elements: nothing more.
+        assert r["shard_size"] < r["written"] <= r["shard_size"] + r["numel"]
+    assert r["after_unshard"] == [(off * 2, torch.bfloat16) for off in r["unsharded_offsets"]]
     assert r["freed"]
-    assert len(r["in_forward"]) == 4 and all(r["in_forward"])
+    assert len(r["in_forward"]) == r["params"] and all(r["in_forward"])
     torch.testing.assert_close(r["out"], r["want"], rtol=0, atol=0)
 
 
 def test_unshard_is_zero_copy_out():
-    _assert_zero_copy(_zero_copy(0, 1))
+    _assert_unshard_writes(_unshard_writes(0, 1), zero_copy=True)
 
 
-def test_unshard_is_zero_copy_out_on_two_ranks():
-    for r in run_distributed(_zero_copy, 2):
-        _assert_zero_copy(r)
+def _unshard_writes_both(rank, world_size):
+    return _unshard_writes(rank, world_size), _unshard_writes(rank, world_size, single=True)
+
+
+def test_unshard_on_two_ranks_copies_out_once_unless_one_parameter_fills_the_shard():
+    """The all-gather lands rank-major (FSDP2's layout): with several parameters one copy-out puts
+    each parameter's chunks in place; a single parameter whose chunk fills the shard is gathered
+    straight into place (zero copy-out)."""
+    for several, single in run_distributed(_unshard_writes_both, 2):
+        _assert_unshard_writes(several, zero_copy=False)
+        _assert_unshard_writes(single, zero_copy=True)
 
 
 class _Dynamic(nn.Module):
