@@ -20,6 +20,7 @@ from flashfsdp.kernels.validation import SUPPORTED_DTYPES
 from flashfsdp.runtime.comm_factory import KINDS, default_group, register_siblings
 from flashfsdp.runtime.communicator import Communicator
 from flashfsdp.runtime.sharding_spec import ShardingSpec
+from flashfsdp.runtime.step import ReshardAfterForward, resolve_reshard_after_forward  # noqa: F401 - fully_shard's
 
 from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -96,45 +97,6 @@ def check_communicator_kind(communicator) -> None:
     """Raises ValueError unless ``communicator`` is a known kind name or a Communicator."""
     if communicator not in KINDS and not isinstance(communicator, Communicator):
         raise ValueError(f"fully_shard: communicator must be one of {KINDS} or a Communicator, got {communicator!r}")
-
-
-@dataclass(frozen=True)
-class ReshardAfterForward:
-    """FSDP2's ``reshard_after_forward: bool | int | None`` resolved once.
-
-    Attributes:
-        reshard: free the unsharded parameters after forward (None and True and W: yes; False and
-            1: no).
-        explicit: the value was given (not None). With None (FSDP2's default) the root keeps its
-            parameters (its backward starts at once), and so does the unit whose forward ends
-            last before the root's (the schedule's ``keep_for_backward``); an explicit value is
-            followed exactly, as FSDP2 does.
-        post_forward_size: k for 1 < k < W: keep 1/k of the parameters after forward and all-gather
-            over k consecutive ranks in backward (ZeRO++ hpZ); None otherwise.
-    """
-
-    reshard: bool
-    explicit: bool
-    post_forward_size: int | None
-
-
-def resolve_reshard_after_forward(value, world_size: int) -> ReshardAfterForward:
-    """Resolve ``reshard_after_forward`` for a unit over ``world_size`` ranks.
-
-    Raises:
-        ValueError: an int that is < 1, > W or does not divide W.
-        TypeError: neither a bool, an int nor None.
-    """
-    if value is None or isinstance(value, bool):
-        return ReshardAfterForward(value is not False, value is not None, None)
-    if not isinstance(value, int):
-        raise TypeError(f"fully_shard: reshard_after_forward must be a bool, an int or None, got {type(value).__name__}")
-    if value < 1 or value > world_size or world_size % value:
-        raise ValueError(
-            f"fully_shard: reshard_after_forward={value} must be a group size that divides the world size "
-            f"{world_size} (1 < size < {world_size} reshards to groups of consecutive ranks); or pass True/False"
-        )
-    return ReshardAfterForward(value != 1, True, value if 1 < value < world_size else None)
 
 
 @dataclass

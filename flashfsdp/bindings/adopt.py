@@ -9,15 +9,12 @@ or the optimizer and the all-gather would see different storage. Each function t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from flashfsdp.runtime.comm_factory import communicator_for
 from flashfsdp.runtime.communicator import Communicator
 
 from .init_window import open_init_window
 
-if TYPE_CHECKING:
-    from .state import FSDPState
 
 
 def adopt_replaced_params(self: "FSDPState") -> None:

@@ -35,7 +35,6 @@ buffers') to the counter ``backward_all_gather_bytes_elided``.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -49,8 +48,6 @@ from flashfsdp.runtime.states import ShardState
 
 from .autograd import functorch_active, in_backward
 
-if TYPE_CHECKING:
-    from .state import FSDPState
 
 ENV_VAR = "FLASHFSDP_BACKWARD_ALL_GATHER_ELISION"
 ELIDED_COUNTER = "backward_all_gather_bytes_elided"
@@ -126,7 +123,7 @@ def begin_forward(state: "FSDPState") -> None:
     if state.is_root:
         for other in state.ctx.states:  # watches a forward that raised left open
             _close(other, found=True)
-    if el.watch is not None or not el.enabled or not state.reshard_after_forward or not torch.is_grad_enabled():
+    if el.watch is not None or not el.enabled or not state.reshards_after_forward() or not torch.is_grad_enabled():
         return
     if functorch_active() or torch.compiler.is_compiling() or not watch_possible() or recomputes_inside(state):
         el.needs.record(None)
@@ -162,7 +159,7 @@ def end_backward(state: "FSDPState") -> None:
 def elides(state: "FSDPState") -> bool:
     """Whether the unit's next backward runs without its unsharded parameters (not for a unit told
     to keep them after backward, ``set_reshard_after_backward(False)``: it is gathered for that)."""
-    return state.elision.enabled and state.reshard_after_backward and state.elision.needs.elidable()
+    return state.elision.enabled and state.settings.reshard_after_backward and state.elision.needs.elidable()
 
 
 def _gathered_bytes(state: "FSDPState") -> int:
@@ -170,9 +167,7 @@ def _gathered_bytes(state: "FSDPState") -> int:
     ``all_gather_dtype=torch.int8`` the packed int8 chunks and their scales; a gather from a
     post-forward (secondary) sharding moves ``param_dtype`` values (see ``quantized_gather.py``)."""
     unit = state.unit
-    if unit.state is ShardState.SECONDARY:
-        return sum(group.unsharded_nbytes for group in unit.groups)
-    return all_gather_nbytes(unit.groups, unit.all_gather_dtype)
+    return all_gather_nbytes(unit.groups, None if unit.state is ShardState.SECONDARY else unit.all_gather_dtype)
 
 
 def count_unshard(state: "FSDPState") -> None:
@@ -195,4 +190,4 @@ def skip_backward_unshard(state: "FSDPState") -> bool:
 def needs_backward_unshard(state: "FSDPState") -> bool:
     """Whether backward prefetch should unshard the unit (``set_unshard_in_backward(False)`` and
     elision both say no, as FSDP2 skips prefetching a unit that does not unshard in backward)."""
-    return state.unshard_in_backward and not elides(state)
+    return state.settings.unshard_in_backward and not elides(state)

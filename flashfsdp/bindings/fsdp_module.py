@@ -130,7 +130,7 @@ class FSDPModule(TorchFSDPModule):
         back to True for the last micro-batch, since an optimizer step changes only the shards.
         """
         for state in states_of(self, recurse, "set_reshard_after_backward"):
-            state.reshard_after_backward = bool(reshard_after_backward)
+            state.settings.reshard_after_backward = bool(reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Free the unsharded parameters after forward (re-gather in backward) or keep them.
@@ -139,13 +139,13 @@ class FSDPModule(TorchFSDPModule):
         only ``fully_shard``'s default (None) keeps the root and the last unit before it unsharded.
         """
         for state in states_of(self, recurse, "set_reshard_after_forward"):
-            state.set_reshard_after_forward(bool(reshard_after_forward))
+            state.settings.set_reshard_after_forward(bool(reshard_after_forward))
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether this unit's backward needs its parameters (True) or not (e.g. an embedding, whose
         backward reads only the indices): False skips the backward all-gather of a unit that
         resharded after forward. Wrong when the backward does read them (like FSDP2's)."""
-        state_of(self, "set_unshard_in_backward").unshard_in_backward = bool(unshard_in_backward)
+        state_of(self, "set_unshard_in_backward").settings.unshard_in_backward = bool(unshard_in_backward)
 
     def set_backward_all_gather_elision(self, enabled: bool, *, recurse: bool = True) -> None:
         """Skip the backward all-gather of units whose backward reads no parameter (True, the
@@ -271,12 +271,12 @@ class FSDPModule(TorchFSDPModule):
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Unshard these units when this one starts its forward (replaces the implicit choice)."""
         where = "set_modules_to_forward_prefetch"
-        state_of(self, where).explicit_forward_prefetch = [state_of(m, where) for m in modules]
+        state_of(self, where).settings.forward_prefetch = [state_of(m, where) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Unshard these units when this one starts its backward (replaces the implicit choice)."""
         where = "set_modules_to_backward_prefetch"
-        state_of(self, where).explicit_backward_prefetch = [state_of(m, where) for m in modules]
+        state_of(self, where).settings.backward_prefetch = [state_of(m, where) for m in modules]
 
     def reset_iter_state(self) -> None:
         """Recover after an exception aborted a forward or backward: wait for collectives in flight,

@@ -1,45 +1,83 @@
 """RootContext: what every unit under one root shares during a step, and the root's own work.
 
 The first forward makes the outermost fully_shard'ed module above the running one the root
-(:func:`init_root`): its RootContext holds the execution order and prefetch policy of every unit
-below it, the reductions in flight and the prefetched units. The root's pre-forward starts each
-step (:meth:`RootContext.start_step`); whichever unit's backward starts first queues
-:meth:`RootContext.end_backward` on the autograd engine.
+(:func:`init_root`): its RootContext holds the step protocol of every unit below it
+(``runtime/step.py``: execution order, prefetch policy, which unshard, reshard, prefetch and
+reduction happen when), executes its actions on the units' tensors (it is the protocol's
+:class:`~flashfsdp.runtime.step.StepExecutor`), and holds the reductions in flight. The root's
+pre-forward starts each step (:meth:`RootContext.start_step`); whichever unit's backward starts
+first queues :meth:`RootContext.end_backward` on the autograd engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
 from flashfsdp.runtime import trace
-from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
+from flashfsdp.runtime.schedule import PrefetchPolicy
+from flashfsdp.runtime.states import ShardState
+from flashfsdp.runtime.step import StepProtocol, UnitSettings
 from flashfsdp.runtime.unit import PendingReduce
 
+from . import elision
 from .optimizer_check import register_optimizer_check
 from .structure import check_same_structure
 from .tree import map_tensors
 
-if TYPE_CHECKING:
-    from .state import FSDPState
 
-
-@dataclass
 class RootContext:
-    """What every unit under one root shares during a step."""
+    """What every unit under one root shares during a step; the step protocol's executor on tensors.
 
-    root: "FSDPState"
-    states: list["FSDPState"]
-    order: ExecutionOrder = field(default_factory=ExecutionOrder)
-    policy: PrefetchPolicy = field(default_factory=PrefetchPolicy)
-    pending: list[PendingReduce] = field(default_factory=list)
-    prefetched: set = field(default_factory=set)
-    callback_task: int | None = None  # the backward whose final callback is queued
-    is_last_backward: bool = True  # FSDPModule.set_is_last_backward
-    forward_without_backward: bool = False  # a grad-enabled forward whose backward has not run
+    Args:
+        root: the root unit's state (an ``FSDPState``); ``states``: every unit under it, the root
+            included, in module order.
+        policy: the prefetch policy.
+        is_last_backward: ``FSDPModule.set_is_last_backward`` as set before the first forward.
+    """
 
+    def __init__(self, root, states: list, policy: PrefetchPolicy, is_last_backward: bool = True):
+        self.root, self.states = root, states
+        self.step = StepProtocol(root, self, policy)
+        self.step.is_last_backward = is_last_backward
+        self.pending: list[PendingReduce] = []
+        self.callback_task: int | None = None  # the backward whose final callback is queued
+        self.forward_without_backward = False  # a grad-enabled forward whose backward has not run
+
+    # ---------------------------------------------------------------- StepExecutor
+    def keys(self) -> list:
+        return self.states
+
+    def settings(self, state) -> UnitSettings:
+        return state.settings
+
+    def shard_state(self, state) -> ShardState:
+        return state.unit.state
+
+    def unshard(self, state) -> None:
+        state.unshard()
+
+    def wait_unshard(self, state) -> None:
+        state.wait_unshard()
+
+    def reshard(self, state, to_secondary: bool = False) -> None:
+        state.reshard(to_secondary)
+
+    def reduce(self, state) -> None:
+        state.reduce_grads()
+
+    def finish_reductions(self) -> None:
+        self.finish_pending()
+
+    def is_stale(self, state) -> bool:
+        return state.unit.gathered_is_stale()
+
+    def skips_backward_unshard(self, state) -> bool:
+        return elision.skip_backward_unshard(state)
+
+    def prefetches_in_backward(self, state) -> bool:
+        return elision.needs_backward_unshard(state)
+
+    # ---------------------------------------------------------------- the root's work
     def finish_pending(self) -> None:
         """Wait for every reduce-scatter in flight and accumulate its result."""
         pending, self.pending = self.pending, []
@@ -47,23 +85,20 @@ class RootContext:
             p.finish()
 
     def start_step(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The root's pre-forward: finish the last step's reductions, gather again what went stale,
-        free unused gradient shards, and forget a forward without backward."""
-        ctx = self  # (the root's context)
-        ctx.finish_pending()
-        ctx.order.start_step()
-        for state in ctx.states:
-            if ctx.forward_without_backward:
+        """The root's pre-forward: finish the last step's reductions and gather again what went
+        stale (the step protocol), free unused gradient shards, and forget a forward without
+        backward."""
+        self.step.start_step(self.states)
+        for state in self.states:
+            if self.forward_without_backward:
                 state.gate.forget_inputs()  # the last forward's graph had no backward
-            if state.unit.gathered_is_stale():
-                state.reshard()  # an optimizer step or a load since it was gathered: gather again
             if any(group.sharded_grad is not None for group in state.unit.groups):
                 # a reduce-scatter-stream block the optimizer read on the compute stream: order
                 # its owner first (see [Note: memory safety without record_stream] in streams.py)
                 state.unit.streams.order_after_current(state.unit.streams.reduce_scatter)
             for group in state.unit.groups:
                 group.release_unused_grad()
-        ctx.forward_without_backward = torch.is_grad_enabled()
+        self.forward_without_backward = torch.is_grad_enabled()
         if trace.active() is not None:
             trace.active().next_step()
         device = self.root.unit.device
@@ -74,51 +109,42 @@ class RootContext:
 
     def reset_iter_state(self) -> None:
         """Drop a step that an exception aborted (see ``FSDPModule.reset_iter_state``)."""
-        ctx = self
-        for state in ctx.states:
+        for state in self.states:
             state.reshard()  # waits for an all-gather in flight first
-            state._end_backward_bookkeeping()
-            state._pending_forward = set()
+            state.end_backward_bookkeeping()
+            state.drop_pending_forward()
             for group in state.unit.groups:
                 group.unsharded_accum = None
                 group.accum_had_grad = [False] * len(group.accum_had_grad)
                 for p in group.unsharded_params:
                     p.grad = None
-        for p in ctx.pending:
+        for p in self.pending:
             p.work.wait()
-        ctx.pending = []
-        ctx.prefetched.clear()
-        ctx.callback_task = None
-        ctx.forward_without_backward = False
-        ctx.order.start_step()
+        self.pending = []
+        self.step.prefetched.clear()
+        self.callback_task = None
+        self.forward_without_backward = False
+        self.step.order.start_step()
 
     def end_backward(self) -> None:
         """The final callback of every backward (queued by whichever unit's backward starts first):
-        finish the units whose post-backward did not run, reshard what should be, and wait for
-        the reductions (unless ``set_is_last_backward(False)``)."""
-        ctx = self
-        for state in ctx.states:
-            if state.needs_post_backward():
-                state._reduce_grads()
-                state._finish_backward()
-            if state.should_reshard_at_end():
-                state.reshard()
-            state._end_backward_bookkeeping()
-        ctx.callback_task = None
-        ctx.forward_without_backward = False
-        if not ctx.is_last_backward:
-            # set_is_last_backward(False): the reductions finish at the next root forward, and a
-            # unit prefetched for a backward that did not need it stays for the next backward.
-            return
-        for state in list(ctx.prefetched):
-            state.reshard()
-        ctx.finish_pending()
-        streams = self.root.unit.streams
-        streams.wait_for_reduce_scatter(self.root.unit.name)
-        streams.release_held()
+        the step protocol reduces and ends the units whose post-backward did not run, reshards what
+        should be, and with the step's last backward finishes the reductions; then the compute
+        stream waits for the reduce-scatter stream."""
+        unreduced = [state for state in self.states if state.needs_reduction()]
+        undone = [state for state in self.states if state.end_backward_unfinished()]
+        last = self.step.end_backward(unreduced, undone, lambda state: state.should_reshard_at_end())
+        for state in self.states:
+            state.end_backward_bookkeeping()
+        self.callback_task = None
+        self.forward_without_backward = False
+        if last:
+            streams = self.root.unit.streams
+            streams.wait_for_reduce_scatter(self.root.unit.name)
+            streams.release_held()
 
 
-def init_root(self: "FSDPState") -> None:
+def init_root(self) -> None:
     """Make state ``self`` the root of every state in its module's subtree (lazy init).
 
     Collective over the units' communicators (once per unit and process): the units must be
@@ -131,7 +157,7 @@ def init_root(self: "FSDPState") -> None:
             several modules (a root must be one module, as in FSDP2); or the units differ across
             ranks (raised on every rank, naming the first difference).
     """
-    states: list["FSDPState"] = []
+    states: list = []
     for m in self.module.modules():
         state = m.__dict__.get("_flashfsdp_state")
         if state is not None and state not in states:
@@ -148,17 +174,12 @@ def init_root(self: "FSDPState") -> None:
     # one rank alone is raised on every rank.
     check_same_structure(states, error)
     register_optimizer_check()
-    ctx = RootContext(root=self, states=states, policy=PrefetchPolicy(max_inflight=self.max_inflight),
-                      is_last_backward=self.is_last_backward)
+    ctx = RootContext(self, states, PrefetchPolicy(max_inflight=self.max_inflight), self.is_last_backward)
     for state in states:
         state.ctx = ctx
-    # Backward starts with the root's parameters: keep them after forward, unless told
-    # otherwise explicitly (FSDP2 does the same for reshard_after_forward=None).
-    if not self.reshard_explicit:
-        self.reshard_after_forward = False
 
 
-def _check_root(self: "FSDPState", states: list["FSDPState"], names: dict[int, str]) -> None:
+def _check_root(self, states: list, names: dict[int, str]) -> None:
     """The local checks of :func:`init_root` (see its Raises)."""
     if len(self.modules) > 1:
         raise ValueError(

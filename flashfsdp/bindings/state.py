@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from flashfsdp.runtime import trace
 from flashfsdp.runtime.states import ShardState, TrainingState
+from flashfsdp.runtime.step import ReshardAfterForward, UnitSettings
 from flashfsdp.runtime.unit import ShardedUnit
 
 from .autograd import PostBackwardGate, current_backward, grad_tensors, in_backward, outside_functorch, queue_final_callback
@@ -56,7 +57,7 @@ class FSDPState:
         registrations: per unit parameter, every ``(submodule, attribute name)`` that refers to it
             (more than one for shared parameters such as tied embeddings).
         mp_policy: the mixed-precision policy.
-        reshard_after_forward: the resolved ``reshard_after_forward`` (``_init.ReshardAfterForward``).
+        reshard_after_forward: the resolved ``reshard_after_forward`` (``runtime.step.ReshardAfterForward``).
         class_name: the first module's class before fully_shard made it ``FSDP<ClassName>``.
         param_owners: per unit parameter, which of ``modules`` it was found under (default: the first).
         comm_spec: ``(process group, communicator argument)`` the unit's communicator was built from
@@ -71,7 +72,7 @@ class FSDPState:
         unit: ShardedUnit,
         registrations: list[list[tuple[nn.Module, str]]],
         mp_policy: MixedPrecisionPolicy,
-        reshard_after_forward,
+        reshard_after_forward: ReshardAfterForward,
         class_name: str | None = None,
         param_owners: list[nn.Module] | None = None,
         comm_spec: tuple | None = None,
@@ -86,11 +87,10 @@ class FSDPState:
         self.comm_spec = comm_spec
         self.compute_device = compute_device or unit.device  # where a meta / offloaded unit computes
         self.mp_policy = mp_policy
-        self.reshard_after_forward = reshard_after_forward.reshard
-        self.reshard_explicit = reshard_after_forward.explicit
-        self.reshard_after_backward = True
+        # reshard after forward / backward, unshard in backward, explicit prefetch lists: what the
+        # step protocol (runtime/step.py) reads; FSDPModule's setters change them
+        self.settings = UnitSettings(reshard_after_forward)
         self.requires_gradient_sync = True
-        self.unshard_in_backward = True
         self.force_sum_reduction = False  # flashfsdp always reduces with SUM
         self.is_last_backward = True  # read by the root (set_is_last_backward)
         self.training_state = TrainingState.IDLE
@@ -98,8 +98,6 @@ class FSDPState:
         self.ctx: RootContext | None = None
         self.max_inflight = 2  # prefetched units ahead of compute, when this state is the root
         self.max_inflight_set = False  # set_max_inflight_all_gathers was called (only the root may)
-        self.explicit_forward_prefetch: list[FSDPState] | None = None
-        self.explicit_backward_prefetch: list[FSDPState] | None = None
         self.all_reduce_hook = None  # set_all_reduce_hook (W = 1 per replica group: called on the shards)
         self.gate = PostBackwardGate(self._on_grads_ready, self._on_backward_done)
         # Leaf outputs (a parameter or input returned as is) already hooked: id -> weak reference
@@ -154,7 +152,7 @@ class FSDPState:
             self.unit.wait_unshard()
         self._swap(True)
         if self.ctx is not None:
-            self.ctx.prefetched.discard(self)
+            self.ctx.step.prefetched.discard(self)
 
     def reshard(self, to_secondary: bool = False) -> None:
         """Give the module its sharded pieces back and free the unsharded storage (keeping the
@@ -163,7 +161,7 @@ class FSDPState:
         with outside_functorch():
             self.unit.reshard(to_secondary)
         if self.ctx is not None:
-            self.ctx.prefetched.discard(self)
+            self.ctx.step.prefetched.discard(self)
 
     def prefix_fqns(self, module: nn.Module, prefix: str) -> None:
         """Prepend ``prefix`` to the names of the parameters found under ``module``."""
@@ -173,15 +171,16 @@ class FSDPState:
                 group.prefix_fqn(pos, prefix)
 
     # ------------------------------------------------------------------ settings (FSDPModule's setters)
-    def set_reshard_after_forward(self, value: bool) -> None:
-        """An explicit value, followed exactly (the root's too), as FSDP2's setter."""
-        self.reshard_after_forward = value
-        self.reshard_explicit = True
+    def reshards_after_forward(self) -> bool:
+        """Whether the unit's forward ends with a reshard by its own setting (the root keeps its
+        parameters when the value was not given; the schedule may keep the last block too)."""
+        setting = self.settings.reshard_after_forward
+        return setting.reshard and (setting.explicit or not self.is_root)
 
     def set_is_last_backward(self, value: bool) -> None:
         self.is_last_backward = value
         if self.ctx is not None:
-            self.ctx.is_last_backward = value
+            self.ctx.step.is_last_backward = value
 
     def set_max_inflight(self, max_inflight: int) -> None:
         """Raises ValueError if this state is known not to be the root."""
@@ -193,7 +192,7 @@ class FSDPState:
         self.max_inflight = max_inflight
         self.max_inflight_set = True
         if self.ctx is not None:
-            self.ctx.policy.max_inflight = max_inflight
+            self.ctx.step.policy.max_inflight = max_inflight
 
     def set_separate_reduce_scatter_group(self, enable: bool) -> None:
         """Give the unit's reduce-scatters a communicator over a process group of their own."""
@@ -217,7 +216,11 @@ class FSDPState:
         """After ``module.to(...)`` / ``to_empty`` / ``load_state_dict(assign=True)``: see ``adopt.py``."""
         adopt_module_params(self)
 
-    def _end_backward_bookkeeping(self) -> None:
+    def drop_pending_forward(self) -> None:
+        """Forget the modules of a grouped unit still to run their forward (an aborted step)."""
+        self._pending_forward = set()
+
+    def end_backward_bookkeeping(self) -> None:
         """Go idle and drop the gate's input hooks and counts. The pre-backward hooks on forward
         outputs stay: a graph whose backward is still to come (a forward before another unit's
         backward) must still unshard its units."""
@@ -246,13 +249,6 @@ class FSDPState:
         while root.parent is not None:
             root = root.parent
         init_root(root)
-
-    def _prefetch(self, targets: list["FSDPState"]) -> None:
-        ctx = self.ctx
-        candidates = [t for t in targets if t.unit.state in (ShardState.SHARDED, ShardState.SECONDARY)]
-        for target in ctx.policy.admit(candidates, len(ctx.prefetched)):
-            target.unshard()
-            ctx.prefetched.add(target)
 
     # ------------------------------------------------------------------ forward hooks
     @run_eagerly
@@ -285,9 +281,7 @@ class FSDPState:
         self._pending_forward = {id(m) for m in self.modules} if len(self.modules) > 1 and in_root_forward else set()
         self.training_state = TrainingState.FORWARD
         self._sync_requires_grad()
-        ctx.order.record(self)
-        self.wait_unshard()
-        self._prefetch(ctx.policy.forward_targets(self, ctx.order, self.explicit_forward_prefetch))
+        ctx.step.pre_forward(self)  # record; wait for the parameters; prefetch
         args, kwargs = self._cast_inputs(args, kwargs)
         if self._has_frozen_params():
             # A frozen parameter's gradient never marks the end of its uses: wait for the inputs'
@@ -337,20 +331,7 @@ class FSDPState:
     def _end_forward(self) -> None:
         """The unit's forward is over: reshard it (or keep it for backward) and go idle."""
         self._mark_compute_end("forward")
-        if self.ctx is not None:
-            self.ctx.order.record_post_forward(self)
-        if not torch.is_grad_enabled():
-            self.reshard()  # no backward follows
-            if self.is_root:
-                # A unit prefetched in this forward that never ran (a branch not taken) would keep
-                # its gathered parameters, stale after the next optimizer step or load.
-                for state in list(self.ctx.prefetched):
-                    state.reshard()
-        elif self.reshard_after_forward and not (
-            not self.reshard_explicit and self.ctx is not None
-            and self.ctx.policy.keep_for_backward(self, self.ctx.order)
-        ):
-            self.reshard(to_secondary=True)
+        self.ctx.step.post_forward(self, backward_follows=torch.is_grad_enabled())
         self.training_state = TrainingState.IDLE
 
     def _cast_output(self, output):
@@ -383,27 +364,23 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
-        ctx = self.ctx
-        ctx.order.record_pre_backward(self)
-        if self.unshard_in_backward and not elision.skip_backward_unshard(self):
-            self.wait_unshard()
-        targets = ctx.policy.backward_targets(self, ctx.order, self.explicit_backward_prefetch)
-        self._prefetch([t for t in targets if elision.needs_backward_unshard(t)])
+        self.ctx.step.pre_backward(self)  # record; wait unless the backward needs no parameters; prefetch
         self._mark_compute_start()
 
     @trace.labelled("post_backward")
     def _on_grads_ready(self) -> None:
         """The gate: every trainable parameter reached by this backward has its gradient."""
         self._queue_final_callback()
-        self._reduce_grads()
+        self.ctx.step.gradients_ready(self)
 
     def _on_backward_done(self) -> None:
         """The gate: the unit's backward is over."""
         self._queue_final_callback()
         self._finish_backward()
 
-    def _reduce_grads(self) -> None:
-        """Reduce-scatter the unsharded gradients (or, without gradient sync, keep accumulating)."""
+    def reduce_grads(self) -> None:
+        """Reduce-scatter the unsharded gradients, then finish the reductions issued before (or,
+        without gradient sync, keep accumulating): the step protocol's reduction of this unit."""
         if self.requires_gradient_sync:
             pending = self.unit.reduce_grads()
             # Earlier reductions had this unit's backward to run behind: finish them now.
@@ -412,16 +389,27 @@ class FSDPState:
         else:
             self.unit.accumulate_unsharded_grads()
 
-    def needs_post_backward(self) -> bool:
+    def needs_reduction(self) -> bool:
         """At the end of a backward: whether this unit's backward started (or left gradients)
         without its post-backward having run (its gate did not fire)."""
         return self.training_state is TrainingState.PRE_BACKWARD or self.unit.has_unsharded_grads()
+
+    def end_backward_unfinished(self) -> bool:
+        """At the end of a backward: whether this unit's backward started and did not end (then
+        it ends now: POST_BACKWARD, its compute span closed); False if it already ended."""
+        if self.training_state is TrainingState.POST_BACKWARD:
+            return False
+        unfinished = self.training_state is TrainingState.PRE_BACKWARD or self.unit.has_unsharded_grads()
+        if unfinished:
+            self.training_state = TrainingState.POST_BACKWARD
+            self._mark_compute_end("backward")
+        return unfinished
 
     def should_reshard_at_end(self) -> bool:
         """At the end of a backward: whether this unit still holds parameters it should free
         (a post-forward slice, or unsharded parameters while resharding after backward)."""
         return self.unit.state is ShardState.SECONDARY or (
-            self.holds_unsharded and self.reshard_after_backward and self.unit.state is not ShardState.SHARDED)
+            self.holds_unsharded and self.settings.reshard_after_backward and self.unit.state is not ShardState.SHARDED)
 
     def _finish_backward(self) -> None:
         """Reshard after backward (unless asked to keep the parameters) and mark the unit done."""
@@ -429,8 +417,7 @@ class FSDPState:
             return
         self.training_state = TrainingState.POST_BACKWARD
         self._mark_compute_end("backward")
-        if self.reshard_after_backward:
-            self.reshard()
+        self.ctx.step.backward_done(self)
 
 
 def _cast_floating(tree, dtype: torch.dtype):

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flashfsdp.bindings._init import resolve_reshard_after_forward
+from flashfsdp.runtime.step import resolve_reshard_after_forward
 from flashfsdp.models import Llama, LlamaConfig, config_from_preset
 
 from .comm import CommVolume, step_volume
-from .replay import ReshardSetting, StepHoldings, walk_steady_step
+from .replay import StepHoldings, walk_steady_step
 from .units import UnitSpec, build_units
 
 # Optimizer state: buffers of each local piece's size, and bytes per parameter of scalars (Adam's step).
@@ -161,8 +161,7 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
     all_gather_dtype = getattr(mp_policy, "all_gather_dtype", None)
     specs = build_units(model, units, group, param_dtype, reduce_dtype)
     resolved = resolve_reshard_after_forward(reshard_after_forward, group)
-    setting = ReshardSetting(resolved.reshard, resolved.explicit, resolved.post_forward_size)
-    held = walk_steady_step(specs, {u.name: setting for u in specs}, group, max_inflight)
+    held = walk_steady_step(specs, {u.name: resolved for u in specs}, group, max_inflight)
     return _assemble(specs, held, world_size, group, optimizer, sharding, model, all_gather_dtype)
 
 

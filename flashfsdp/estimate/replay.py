@@ -1,21 +1,15 @@
-"""What one rank holds at every point of a training step: the runtime's step walked through without
-tensors, through the runtime's own prefetch policy (``runtime/schedule.py``).
+"""What one rank holds at every point of a training step: the runtime's own step protocol
+(``runtime/step.py``) driven without tensors, on bytes.
 
-The walk follows ``bindings/state.py`` and ``bindings/root.py`` for a model whose units run their
-forward once each, in order, inside the root's forward (a Llama: embedding, blocks, head):
-
-1. root pre-forward: ``order.start_step()``; each unit's pre-forward records it, waits for its own
-   all-gather (issuing it if no prefetch did) and prefetches ``policy.forward_targets`` as
-   ``policy.admit`` allows (at most ``max_inflight`` prefetched units).
-2. post-forward: reshard if the unit's ``reshard_after_forward`` says so — to its 1/k slice for an
-   int k — unless the value was not given and ``policy.keep_for_backward`` keeps it (the last
-   block), or it is the root with no explicit value.
-3. backward, root first then the blocks in reverse: pre-backward waits for the unit's parameters
-   and prefetches ``policy.backward_targets``; its unsharded gradients (``param_dtype``) live until
-   its post-backward packs them; the pack and the reduced shard live until the next unit's
-   reduction finishes the earlier ones (``RootContext.finish_pending``); then the unit reshards.
-   The root's post-backward comes last (its embedding's gradient is the last one computed).
-4. the final callback reshards unused prefetches and finishes the reductions.
+:class:`StepWalk` is the protocol's executor for a model whose units run their forward once each,
+in order, inside the root's forward (a Llama: embedding, blocks, head): it tells the protocol when
+each unit's forward and backward start and end, and the protocol decides — as it does for the
+runtime — which all-gather, prefetch, reshard (to the post-forward slice for an int
+``reshard_after_forward``) and reduction happen. The walk counts the bytes: a unit's unsharded
+parameters while it is unsharded, its gathered buffer from its all-gather's issue to its
+copy-out (while it is prefetched, or at its wait), its post-forward slice, its unsharded
+gradients (``param_dtype``) from its pre-backward until its reduction packs them, and the
+reduction's buffers until the next unit's reduction finishes the earlier ones.
 
 The first step records the order (no forward prefetch, nothing kept for backward); the second is
 the steady state, whose peaks and all-gathers are reported. Activations are not modelled.
@@ -25,25 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
+from flashfsdp.runtime.schedule import PrefetchPolicy
+from flashfsdp.runtime.states import ShardState
+from flashfsdp.runtime.step import ReshardAfterForward, StepProtocol, UnitSettings
 
 from .units import UnitSpec
-
-
-@dataclass(frozen=True)
-class ReshardSetting:
-    """One unit's resolved ``reshard_after_forward`` (see ``bindings/_init.py``).
-
-    Attributes:
-        reshard: free the unsharded parameters after forward.
-        explicit: the value was given (None: the root keeps its parameters, and so does the
-            unit the schedule keeps for backward).
-        post_forward_size: k when resharding to groups of k ranks (1 < k < W), else None.
-    """
-
-    reshard: bool
-    explicit: bool
-    post_forward_size: int | None
 
 
 @dataclass
@@ -69,25 +49,25 @@ class StepHoldings:
 
 
 class StepWalk:
-    """The runtime's step over unit specs (see the module docstring).
+    """The runtime's step over unit specs (see the module docstring): the step protocol's executor.
 
     Args:
         units: the root first, then the others in forward order.
         settings: the resolved ``reshard_after_forward`` of each unit, by name.
         world_size: the ranks a unit is sharded over (its all-gather group).
         max_inflight: the prefetch limit (``set_max_inflight_all_gathers``).
+        log: record the protocol's actions (``self.step.log``).
     """
 
-    def __init__(self, units: list[UnitSpec], settings: dict[str, ReshardSetting], world_size: int,
-                 max_inflight: int):
+    def __init__(self, units: list[UnitSpec], settings: dict[str, ReshardAfterForward], world_size: int,
+                 max_inflight: int, log: bool = False):
         self.units = {u.name: u for u in units}
         self.root = units[0].name
-        self.settings, self.world_size = settings, world_size
-        self.policy = PrefetchPolicy(max_inflight=max_inflight)
-        self.order = ExecutionOrder()
-        self.state = {name: "sharded" for name in self.units}  # sharded | unsharded
+        self.world_size = world_size
+        self._settings = {name: UnitSettings(settings[name]) for name in self.units}
+        self.step = StepProtocol(self.root, self, PrefetchPolicy(max_inflight=max_inflight), log=log)
+        self.state = {name: ShardState.SHARDED for name in self.units}
         self.slices: set[str] = set()  # units holding their post-forward 1/k slice (kept while regathered)
-        self.prefetched: set[str] = set()
         self.grads: set[str] = set()  # units whose unsharded gradients are alive
         self.pending: list[str] = []  # units whose reduction buffers are alive
         self.result = StepHoldings()
@@ -98,10 +78,10 @@ class StepWalk:
         """Record the holdings now; ``landing``: a unit whose all-gather lands now (its gathered
         buffer alive until copy-out, as the prefetched units' are)."""
         res, units = self.result, self.units
-        unsharded = [n for n, s in self.state.items() if s == "unsharded"]
-        in_flight = set(self.prefetched) | ({landing} if landing else set())
+        unsharded = [n for n, s in self.state.items() if s is ShardState.UNSHARDED]
+        in_flight = set(self.step.prefetched) | ({landing} if landing else set())
         params = sum(units[n].unsharded_bytes() for n in unsharded) + sum(
-            units[n].secondary_bytes(self.settings[n].post_forward_size) for n in self.slices) + sum(
+            units[n].secondary_bytes(self._settings[n].reshard_after_forward.post_forward_size) for n in self.slices) + sum(
             units[n].gathered_bytes() for n in in_flight)
         grads = sum(units[n].unsharded_grad_bytes() for n in self.grads)
         buffers = sum(units[n].reduce_buffer_bytes() for n in self.pending)
@@ -111,88 +91,93 @@ class StepWalk:
         res.buffers_peak = max(res.buffers_peak, buffers)
         res.transient_peak = max(res.transient_peak, params + grads + buffers)
 
-    # ---------------------------------------------------------------- the runtime's transitions
+    # ---------------------------------------------------------------- StepExecutor
+    def keys(self) -> list[str]:
+        return list(self.units)
+
+    def settings(self, name: str) -> UnitSettings:
+        return self._settings[name]
+
+    def shard_state(self, name: str) -> ShardState:
+        return ShardState.SECONDARY if self.state[name] is ShardState.SHARDED and name in self.slices else self.state[name]
+
     def unshard(self, name: str) -> None:
         """Issue the unit's all-gather unless it is unsharded (from its slice: over k ranks)."""
-        if self.state[name] == "unsharded":
+        if self.state[name] is ShardState.UNSHARDED:
             return
-        k = self.settings[name].post_forward_size if name in self.slices else None
+        k = self._settings[name].reshard_after_forward.post_forward_size if name in self.slices else None
         self.result.all_gathers.append((name, self.phase, k or self.world_size))
-        self.state[name] = "unsharded"
+        self.state[name] = ShardState.UNSHARDED
         self._note(landing=name)
+
+    def wait_unshard(self, name: str) -> None:
+        self.unshard(name)
 
     def reshard(self, name: str, to_secondary: bool = False) -> None:
         """Free the unsharded parameters (keeping the 1/k slice with ``to_secondary``; a slice
         stays alive while its unit is gathered again, until a reshard that does not keep it)."""
-        keep = to_secondary and self.settings[name].post_forward_size and self.state[name] == "unsharded"
+        setting = self._settings[name].reshard_after_forward
+        keep = to_secondary and setting.post_forward_size and self.state[name] is ShardState.UNSHARDED
         if keep:
             self.slices.add(name)
-        elif not (to_secondary and self.state[name] == "sharded"):
+        elif not (to_secondary and self.state[name] is ShardState.SHARDED):
             self.slices.discard(name)
-        self.state[name] = "sharded"
-        self.prefetched.discard(name)
+        self.state[name] = ShardState.SHARDED
 
-    def _wait_and_prefetch(self, name: str, targets: list) -> None:
-        self.unshard(name)
-        self.prefetched.discard(name)
-        candidates = [t for t in targets if self.state[t] != "unsharded"]
-        for target in self.policy.admit(candidates, len(self.prefetched)):
-            self.unshard(target)
-            self.prefetched.add(target)
-
-    def pre_forward(self, name: str) -> None:
-        self.order.record(name)
-        self._wait_and_prefetch(name, self.policy.forward_targets(name, self.order))
-
-    def post_forward(self, name: str) -> None:
-        self.order.record_post_forward(name)
-        setting = self.settings[name]
-        keep = not setting.explicit and (name == self.root or self.policy.keep_for_backward(name, self.order))
-        if setting.reshard and not keep:
-            self.reshard(name, to_secondary=True)
-
-    def pre_backward(self, name: str) -> None:
-        self.order.record_pre_backward(name)
-        self._wait_and_prefetch(name, self.policy.backward_targets(name, self.order))
-        self.grads.add(name)
-        self._note()
-
-    def post_backward(self, name: str) -> None:
-        """Pack and reduce-scatter (buffers alive), finish the earlier reductions, reshard."""
+    def reduce(self, name: str) -> None:
+        """Pack and reduce-scatter (buffers alive), then finish the earlier reductions."""
         self.pending.append(name)
         self._note()  # the gradients are released once packed, the earlier buffers once finished
         self.grads.discard(name)
         self.pending = [name]
-        self.reshard(name)
 
-    def step(self) -> None:
-        """One training step (see the module docstring)."""
-        self.order.start_step()
-        self.phase = "forward"
-        blocks = [n for n in self.units if n != self.root]
-        self.pre_forward(self.root)
-        for name in blocks:
-            self.pre_forward(name)
-            self.post_forward(name)
-        self.post_forward(self.root)
-        self.phase = "backward"
-        self.pre_backward(self.root)
-        for name in reversed(blocks):
-            self.pre_backward(name)
-            self.post_backward(name)
-        self.post_backward(self.root)
-        for name in list(self.prefetched):
-            self.reshard(name)
+    def finish_reductions(self) -> None:
         self.pending = []
-        for name in self.units:  # the end of backward drops the slices; the next step regathers
-            self.reshard(name)  # whatever an optimizer step made stale
+
+    def is_stale(self, name: str) -> bool:
+        """Between steps an optimizer step wrote every shard: whatever is still gathered is stale."""
+        return self.state[name] is not ShardState.SHARDED or name in self.slices
+
+    def skips_backward_unshard(self, name: str) -> bool:
+        return False
+
+    def prefetches_in_backward(self, name: str) -> bool:
+        return True
+
+    # ---------------------------------------------------------------- one step
+    def _backward(self, name: str, last: bool = True) -> None:
+        self.step.pre_backward(name)
+        self.grads.add(name)
+        self._note()
+        if last:
+            self.step.gradients_ready(name)
+            self.step.backward_done(name)
+
+    def run_step(self) -> None:
+        """One training step (see the module docstring)."""
+        step = self.step
+        self.phase = "forward"
+        step.start_step(self.keys())
+        blocks = [n for n in self.units if n != self.root]
+        step.pre_forward(self.root)
+        for name in blocks:
+            step.pre_forward(name)
+            step.post_forward(name)
+        step.post_forward(self.root)
+        self.phase = "backward"
+        self._backward(self.root, last=False)  # the root's gradients come last (its embedding's)
+        for name in reversed(blocks):
+            self._backward(name)
+        step.gradients_ready(self.root)
+        step.backward_done(self.root)
+        step.end_backward([], [], lambda name: name in self.slices)
 
 
-def walk_steady_step(units: list[UnitSpec], settings: dict[str, ReshardSetting], world_size: int,
+def walk_steady_step(units: list[UnitSpec], settings: dict[str, ReshardAfterForward], world_size: int,
                      max_inflight: int) -> StepHoldings:
     """Walk two steps (the first records the execution order); the second one's holdings."""
     walk = StepWalk(units, settings, world_size, max_inflight)
-    walk.step()
+    walk.run_step()
     walk.result = StepHoldings()
-    walk.step()
+    walk.run_step()
     return walk.result

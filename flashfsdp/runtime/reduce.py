@@ -32,7 +32,6 @@ no gradient is accumulated; the next reduction with the all-reduce adds that sum
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,8 +42,6 @@ from .communicator import Work
 from .flat_param import FlatParam
 from .layout import ShardLayout
 
-if TYPE_CHECKING:
-    from .unit import ShardedUnit
 
 
 def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float, float]:

@@ -337,13 +337,14 @@ class ShardedUnit:
             g.unsharded_accum is not None for g in self.groups)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now: master shard + gradient shard, and unsharded buffers
-        (``unsharded_max``: the unsharded buffers when allocated; ``gathered_max``: the gathered
-        buffers that exist besides them while an all-gather lands, until copy-out)."""
+        """Bytes this rank holds now: master shard + gradient shard, unsharded buffers, and the
+        gathered buffers alive besides them while an all-gather lands, until copy-out
+        (``unsharded_max`` / ``gathered_max``: the same when allocated)."""
         return {
             "sharded": sum(g.sharded_nbytes() for g in self.groups),
             "secondary": sum(t.numel() * t.element_size() for t in self._secondary),
             "unsharded": sum(g.unsharded_flat.untyped_storage().nbytes() for g in self.groups),
+            "gathered": sum(g.gathered.untyped_storage().nbytes() for g in self.groups if g.gathered_nbytes),
             "unsharded_max": sum(g.unsharded_nbytes for g in self.groups),
             "gathered_max": sum(g.gathered_nbytes for g in self.groups),
         }

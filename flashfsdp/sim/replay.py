@@ -1,9 +1,12 @@
 """The replay of the runtime's step on the simulator's event engine.
 
-:class:`StepReplay` does what ``flashfsdp.bindings.state`` does, in the same order, through the same
-policy objects (:class:`~flashfsdp.runtime.schedule.ExecutionOrder` and
-:class:`~flashfsdp.runtime.schedule.PrefetchPolicy`) and the same state machines
-(:class:`~flashfsdp.runtime.states.ShardState`, :class:`~flashfsdp.runtime.states.TrainingState`),
+:class:`StepReplay` is an executor of the runtime's own step protocol
+(:class:`~flashfsdp.runtime.step.StepProtocol`, which ``flashfsdp.bindings`` runs on tensors): it
+tells the protocol when each unit's forward and backward start and end, and the protocol decides
+— through the same :class:`~flashfsdp.runtime.schedule.ExecutionOrder` and
+:class:`~flashfsdp.runtime.schedule.PrefetchPolicy` — which all-gather, wait, prefetch, reshard and
+reduction happen, which the replay runs in the runtime's state machines
+(:class:`~flashfsdp.runtime.states.ShardState`, :class:`~flashfsdp.runtime.states.TrainingState`)
 on the three streams of :mod:`flashfsdp.sim.engine`:
 
 - **compute** — the units' forward and backward compute (and, on a CPU host, everything the one
@@ -15,8 +18,8 @@ on the three streams of :mod:`flashfsdp.sim.engine`:
 collective in issue order).
 
 [Note: the step the simulator replays]
-Per step, mirroring ``FSDPState`` (``_pre_forward``, ``_post_forward``, ``_pre_backward``,
-``_post_backward``, ``_final_callback``, ``_prefetch``):
+Per step, the protocol's decisions (``runtime/step.py``) at the points ``FSDPState`` calls it
+(``_pre_forward``, ``_post_forward``, ``_pre_backward``, the post-backward gate, the final callback):
 
 1. root pre-forward: finish pending reductions; ``order.start_step()``; ``order.record(root)``;
    wait for the root's all-gather (issuing it if no prefetch did); prefetch
@@ -67,11 +70,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from flashfsdp.runtime.intervals import union_length
-from flashfsdp.runtime.schedule import ExecutionOrder, PrefetchPolicy
+from flashfsdp.runtime.schedule import PrefetchPolicy
 from flashfsdp.runtime.states import ShardState, TrainingState
+from flashfsdp.runtime.step import ReshardAfterForward, StepProtocol, UnitSettings
 
 from .contention import Contention
 from .engine import CommEngine, CommOp, Span
@@ -154,7 +158,8 @@ class StepReplay:
 
     def __init__(self, model: Model, world_size: int, link: Link, options: ReplayOptions,
                  copy_bandwidth: float | None = None, peer_issues: Sequence[float] | None = None,
-                 peer_ends: Sequence[float] | None = None, replicate: tuple[Link, int] | None = None):
+                 peer_ends: Sequence[float] | None = None, replicate: tuple[Link, int] | None = None,
+                 log: bool = False):
         self.model, self.W, self.link, self.options = model, world_size, link, options
         self.replicate_link, self.replicas = replicate if replicate is not None else (None, 1)
         self.policy = options.policy
@@ -162,12 +167,15 @@ class StepReplay:
         self.peer_issues, self.peer_ends = peer_issues, peer_ends
         self.issues: list[float] = []  # this rank's issue times, by collective number
         self.all_ops: list[CommOp] = []  # every step's collectives, by number
-        self.fwd_lists = dict(options.forward_prefetch or {})
-        self.bwd_lists = dict(options.backward_prefetch or {})
+        fwd_lists, bwd_lists = dict(options.forward_prefetch or {}), dict(options.backward_prefetch or {})
         self.engine = CommEngine(options.share_link_bandwidth, options.contention)
-        self.order = ExecutionOrder()
         self.states = {u.name: UnitState(u) for u in model.units}
-        self.prefetched: set[str] = set()
+        setting = ReshardAfterForward(options.reshard_after_forward, False)  # FSDP2's default, the value given
+        self._settings = {name: UnitSettings(setting, forward_prefetch=fwd_lists.get(name),
+                                             backward_prefetch=bwd_lists.get(name)) for name in self.states}
+        self.step_protocol = StepProtocol(model.root.name, self, options.policy, log=log)
+        self.order = self.step_protocol.order
+        self.prefetched = self.step_protocol.prefetched
         self.pending: list[tuple[CommOp, int, str]] = []  # reduce-scatters not finished: memory id, unit
         self.held: CommOp | None = None  # the last reduce-scatter, whose packed input is held (GPU)
         self.t = 0.0
@@ -249,8 +257,9 @@ class StepReplay:
             st.shard = ShardState.UNSHARDED
         self.prefetched.discard(name)
 
-    def reshard(self, name: str) -> None:
-        """Free the unit's unsharded parameters (waiting first for an all-gather in flight)."""
+    def reshard(self, name: str, to_secondary: bool = False) -> None:
+        """Free the unit's unsharded parameters (waiting first for an all-gather in flight); the
+        replay has no post-forward sharding (``to_secondary`` frees it all)."""
         st = self.states[name]
         if st.shard is ShardState.UNSHARDING:
             self.wait_unshard(name)
@@ -259,12 +268,35 @@ class StepReplay:
         st.shard = ShardState.SHARDED
         self.prefetched.discard(name)
 
-    def prefetch(self, targets: Iterable[str]) -> None:
-        """Unshard the targets still sharded that the policy admits."""
-        candidates = [t for t in targets if self.states[t].shard is ShardState.SHARDED]
-        for target in self.policy.admit(candidates, len(self.prefetched)):
-            self.unshard(target)
-            self.prefetched.add(target)
+    # -------------------------------------------------------------- StepExecutor
+    def keys(self) -> list[str]:
+        return list(self.states)
+
+    def settings(self, name: str) -> UnitSettings:
+        return self._settings[name]
+
+    def shard_state(self, name: str) -> ShardState:
+        return self.states[name].shard
+
+    def reduce(self, name: str) -> None:
+        self.reduce_grads(name)
+
+    def finish_reductions(self) -> None:
+        self.finish_pending()
+
+    def is_stale(self, name: str) -> bool:
+        return False  # every unit ends the step resharded
+
+    def skips_backward_unshard(self, name: str) -> bool:
+        """Backward all-gather elision: the unit's backward reads no parameter (counted)."""
+        st = self.states[name]
+        if self._elides(name) and st.shard is ShardState.SHARDED:
+            self.ag_bytes["elided"] += st.unit.unsharded_bytes(self.W)
+            return True
+        return False
+
+    def prefetches_in_backward(self, name: str) -> bool:
+        return not self._elides(name)
 
     # -------------------------------------------------------------- gradients
     def reduce_grads(self, name: str) -> None:
@@ -312,32 +344,22 @@ class StepReplay:
 
     # -------------------------------------------------------------- the runtime's hooks (TrainingState)
     def pre_forward(self, name: str) -> None:
-        """A unit's forward starts: record it, wait for its parameters, prefetch."""
+        """A unit's forward starts (the protocol: record it, wait for its parameters, prefetch)."""
         self.states[name].training = TrainingState.FORWARD
-        self.order.record(name)
-        self.wait_unshard(name)
-        self.prefetch(self.policy.forward_targets(name, self.order, self.fwd_lists.get(name)))
+        self.step_protocol.pre_forward(name)
 
     def post_forward(self, name: str) -> None:
-        """A unit's forward ends: reshard it unless it is the root or kept for the backward."""
-        self.order.record_post_forward(name)
-        if (name != self.model.root.name and self.options.reshard_after_forward
-                and not self.policy.keep_for_backward(name, self.order)):
-            self.reshard(name)
+        """A unit's forward ends (the protocol: reshard unless it is the root or kept for backward)."""
+        self.step_protocol.post_forward(name)
         self.states[name].training = TrainingState.IDLE
 
     def pre_backward(self, name: str) -> None:
-        """A unit's backward starts: wait for its parameters, prefetch, allocate its gradients."""
+        """A unit's backward starts (the protocol: wait for its parameters unless elided,
+        prefetch); its gradients are allocated."""
         st = self.states[name]
         st.training = TrainingState.PRE_BACKWARD
         self.phase = "backward"
-        self.order.record_pre_backward(name)
-        if self._elides(name) and st.shard is ShardState.SHARDED:
-            self.ag_bytes["elided"] += st.unit.unsharded_bytes(self.W)
-        else:
-            self.wait_unshard(name)
-        targets = self.policy.backward_targets(name, self.order, self.bwd_lists.get(name))
-        self.prefetch([t for t in targets if not self._elides(t)])
+        self.step_protocol.pre_backward(name)
         st.grads_mem = self.mem.alloc(self.t, st.unit.unsharded_bytes(self.W))
 
     def _elides(self, name: str) -> bool:
@@ -345,19 +367,19 @@ class StepReplay:
         return self.options.elide_backward_all_gather and not self.states[name].unit.backward_reads_params
 
     def post_backward(self, name: str) -> None:
-        """A unit's gradients are ready: reduce them, then reshard."""
-        self.reduce_grads(name)
+        """A unit's gradients are ready (the protocol: reduce them), then its backward ends
+        (reshard)."""
+        self.step_protocol.gradients_ready(name)
         self.states[name].training = TrainingState.POST_BACKWARD
-        self.reshard(name)
+        self.step_protocol.backward_done(name)
 
     def final_callback(self) -> None:
-        """The end of the backward: pending post-backwards, unused prefetches, every reduce-scatter."""
-        for name, st in self.states.items():
-            if st.training is TrainingState.PRE_BACKWARD:
-                self.post_backward(name)
-        for name in list(self.prefetched):
-            self.reshard(name)
-        self.finish_pending()
+        """The end of the backward (the protocol: pending post-backwards, unused prefetches, every
+        reduction), then the compute stream waits for every reduce-scatter."""
+        unfinished = [name for name, st in self.states.items() if st.training is TrainingState.PRE_BACKWARD]
+        for name in unfinished:
+            self.states[name].training = TrainingState.POST_BACKWARD
+        self.step_protocol.end_backward(unfinished, unfinished, lambda name: False)
         for op in self.ops:  # wait_for_reduce_scatter: the compute stream waits for the whole stream
             if op.kind in ("reduce_scatter", "all_reduce"):
                 self._wait(op)
@@ -369,9 +391,8 @@ class StepReplay:
     def step(self) -> None:
         """One training step: forward, loss, backward, final callback, optimizer step."""
         model, root = self.model, self.model.root
-        # root pre-forward: finish the last step's reductions, start a new step
-        self.finish_pending()
-        self.order.start_step()
+        # root pre-forward: the protocol finishes the last step's reductions, starts a new step
+        self.step_protocol.start_step(self.keys())
         self._reset_step()
         self.pre_forward(root.name)
         self._compute(root.forward_s * model.root_forward_before, "forward", root.name)

@@ -3,7 +3,7 @@
 Each rank shards a small Llama (one unit per block, then the root), trains three steps with AdamW
 (``zero_grad(set_to_none=False)``: the gradient shards stay, as the estimate counts them) and, at
 every unshard, adds up what every unit holds (``ShardedUnit.memory_bytes``: master and gradient
-shards, post-forward slices, unsharded buffers alive). The largest sum over steps 2-3 is compared
+shards, post-forward slices, unsharded buffers and gathered buffers not yet copied out). The largest sum over steps 2-3 is compared
 with ``Estimate.unit_holdings_bytes`` (within 5%), the all-gathers of step 3 with the estimate's
 (their outputs' bytes: int8 packed buffers with ``all_gather_dtype=torch.int8``),
 and the optimizer state of the busiest rank with ``Estimate.optimizer_bytes``.
@@ -31,12 +31,13 @@ def _instrument(units: list, log: dict) -> None:
         def unshard(unit=unit, original=unit.unshard):
             issues = unit.state in (ShardState.SHARDED, ShardState.SECONDARY)
             result = original()
-            if issues:  # the all-gathers' outputs: int8 packed buffers, else the unsharded ones
+            if issues:  # the all-gathers' outputs: int8 packed buffers, else the gathered ones
                 packed = {id(q.group): q.packed.numel() for q in result.quantized or ()}
                 log["gathers"].append(("backward" if in_backward() else "forward",
-                                       sum(packed.get(id(g), g.unsharded_nbytes) for g in unit.groups)))
+                                       sum(packed.get(id(g), g.layout.gathered_size * g.unsharded_flat.element_size())
+                                           for g in unit.groups)))
             held = [u.memory_bytes() for u in units]
-            log["held"].append(sum(h["sharded"] + h["secondary"] + h["unsharded"] for h in held))
+            log["held"].append(sum(h["sharded"] + h["secondary"] + h["unsharded"] + h["gathered"] for h in held))
             return result
 
         unit.unshard = unshard
@@ -68,8 +69,9 @@ def _measure(rank: int, param_dtype: str, reshard) -> dict:
         optim.zero_grad(set_to_none=False)
         if step:
             held_from_step_2 += log["held"]
-    optim_bytes = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values()
-                      if torch.is_tensor(t))
+    # the state of a DTensor parameter is a DTensor: this rank holds its local tensor
+    local = [getattr(t, "to_local", lambda t=t: t)() for s in optim.state.values() for t in s.values() if torch.is_tensor(t)]
+    optim_bytes = sum(t.numel() * t.element_size() for t in local)
     return {"held": max(held_from_step_2), "gathers": log["gathers"], "optimizer": optim_bytes}
 
 

@@ -76,13 +76,15 @@ def test_post_forward_slices_cost_memory_and_gather_backward_within_the_group():
     assert hpz.comm.sent < full.comm.sent
 
 
-def test_busiest_rank_elements_match_the_layout_pieces():
-    for numels, world in (([5, 0, 17, 3], 4), ([1000, 7], 64), ([33], 2)):
-        spec = unit_spec("u", [torch.empty(n, device="meta", requires_grad=True) for n in numels], world,
+def test_busiest_rank_elements_match_the_layout_chunks():
+    for shapes, world in (([(5,), (0, 3), (17, 2), (3,)], 4), ([(1000,), (7, 7)], 64), ([(33,)], 2)):
+        spec = unit_spec("u", [torch.empty(s, device="meta", requires_grad=True) for s in shapes], world,
                          torch.bfloat16, None)
         layout = spec.groups[0].layout
-        busiest = max(sum(p.numel for p in layout.local_pieces(r)) for r in range(world))
-        assert spec.groups[0].busiest_rank_elements() == busiest
+        chunks = [sum(torch.chunk(torch.empty(s), world)[r].numel() if r < len(torch.chunk(torch.empty(s), world))
+                      else 0 for s in shapes) for r in range(world)]
+        assert spec.groups[0].busiest_rank_elements() == max(chunks) == sum(
+            layout.local_numel(0, i) for i in range(len(shapes)))
 
 
 def test_deepspeed_formula_written_out():
