@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
 
 import flashfsdp
 from flashfsdp.runtime.process_group import ProcessGroupCommunicator
@@ -78,18 +79,26 @@ def _counted(records: list):
     return lambda: [setattr(ProcessGroupCommunicator, a, f) for a, f in saved.items()]
 
 
-def _analytic_unit_bytes(model) -> list[int]:
-    """Per unit (innermost first), the bytes of its unsharded fp32 flat buffer: its parameters end
-    to end at offsets aligned to 16 bytes, padded to S equal shards of a multiple of 16 bytes."""
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _analytic_unit_bytes(model) -> list[tuple[int, int]]:
+    """Per unit (innermost first), the fp32 bytes of (its all-gather output, one rank's segment of
+    its reduce-scatter). A rank's shard holds every parameter's FSDP2 dim-0 chunk (ceil(d0 / S)
+    rows, padded) at offsets aligned to 16 bytes, its size a multiple of 16 bytes; the all-gather
+    lands S shards. A reduce-scatter segment is the shard and one flag per parameter (which
+    gradients are None), padded to 16 bytes."""
     sizes, claimed = [], set()
     for unit in units_of("mlp", model):
-        used = 0
+        used, count = 0, 0
         for p in unit.parameters():
             if id(p) not in claimed:
                 claimed.add(id(p))
-                used = -(-used // 4) * 4 + p.numel()
-        shard = -(-(-(-used // S)) // 4) * 4
-        sizes.append(S * shard * 4)
+                used = _round_up(used, 4) + -(-p.shape[0] // S) * p[0].numel()
+                count += 1
+        shard = _round_up(used, 4)
+        sizes.append((S * shard * 4, (shard + _round_up(count, 4)) * 4))
     return sizes
 
 
@@ -135,20 +144,9 @@ def _all_reduce_switch(rank, mesh) -> dict:
         restore()
         if impl == "flashfsdp":
             out["first"] = first
-            out["flashfsdp"] = {n: flashfsdp_full_grad(p) for n, p in model.named_parameters()}
-        else:
-            out["torch"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            out["placements"] = {tuple(p.grad.placements) for p in model.parameters()}
+        out[impl] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     return out
-
-
-def flashfsdp_full_grad(param) -> torch.Tensor:
-    """A flashfsdp parameter's full gradient, from the pieces of every rank."""
-    everyone = [None] * W
-    dist.all_gather_object(everyone, (param._flashfsdp_piece.param_start, param.grad.detach().clone()))
-    flat = torch.full((param._flashfsdp_full_shape.numel(),), float("nan"))
-    for start, values in everyone:
-        flat[start : start + values.numel()] = values
-    return flat.view(param._flashfsdp_full_shape)
 
 
 def _train_one_step(model, rank) -> torch.optim.Optimizer:
@@ -272,15 +270,16 @@ def test_gradient_accumulation_with_cpu_offload(hsdp):
 def test_bytes_per_step_on_each_group_are_the_analytic_volume(hsdp):
     for rank, result in enumerate(hsdp):
         records, unit_bytes = result["bytes"]["records"], result["bytes"]["expected_unit_bytes"]
+        gathered, segment = (sum(u[k] for u in unit_bytes) for k in (0, 1))
         shard = (rank // S * S, rank // S * S + 1)
         replicate = (rank % S, rank % S + S)
         totals: dict = {}
         for kind, ranks, nbytes in records:
             totals[(kind, ranks)] = totals.get((kind, ranks), 0) + nbytes
         assert totals == {
-            ("all_gather", shard): 2 * sum(unit_bytes),  # forward and backward, within the shard group
-            ("reduce_scatter", shard): sum(unit_bytes),
-            ("all_reduce", replicate): sum(unit_bytes) // S,  # the 1/S shard across the replicas
+            ("all_gather", shard): 2 * gathered,  # forward and backward, within the shard group
+            ("reduce_scatter", shard): S * segment,
+            ("all_reduce", replicate): segment,  # this rank's reduced segment across the replicas
         }, f"rank {rank}"
 
 
@@ -291,6 +290,7 @@ def test_set_requires_all_reduce_accumulates_like_torch(hsdp):
     for result in hsdp:
         switch = result["switch"]
         assert switch["first"] == {"kinds": ["all_gather", "reduce_scatter"], "grads_none": True}
+        assert switch["placements"] == {(Replicate(), Shard(0))}  # FSDP2's HSDP placements
         for name, p in ref.named_parameters():
             torch.testing.assert_close(switch["flashfsdp"][name], p.grad, **FP32, msg=lambda m, n=name: f"{n}: {m}")
             torch.testing.assert_close(switch["flashfsdp"][name], switch["torch"][name], **FP32)
@@ -298,7 +298,7 @@ def test_set_requires_all_reduce_accumulates_like_torch(hsdp):
 
 def test_checkpoint_saved_once_per_replica_set_and_loaded_on_any_mesh(hsdp):
     ckpt = hsdp[0]["checkpoints"]
-    # Every element is in the checkpoint's metadata once: the replicas' identical pieces were
+    # Every element is in the checkpoint's metadata once: the replicas' identical chunks were
     # written by one rank (a copy per replica would cover each element R times).
     assert ckpt["chunk_cover"] and all(saved == numel for saved, numel in ckpt["chunk_cover"].values()), \
         ckpt["chunk_cover"]
