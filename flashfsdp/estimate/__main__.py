@@ -14,7 +14,7 @@ import sys
 import torch
 from torch import nn
 
-from flashfsdp.bindings.mixed_precision import MixedPrecisionPolicy
+from flashfsdp import MixedPrecisionPolicy  # the public name (the CLI is an application of the library)
 from flashfsdp.models import PRESETS, Llama
 
 from .deepspeed import model_params
