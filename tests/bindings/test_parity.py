@@ -276,13 +276,13 @@ def _hpz_memory(rank, world_size):
     after_forward = unit.memory_bytes()
     sub = unit.post_forward_comm
     logits.sum().backward()
-    return after_forward, unit.memory_bytes(), sub.world_size, unit.groups[0].layout.total
+    return after_forward, unit.memory_bytes(), sub.world_size, unit.groups[0].layout.gathered_size
 
 
 def test_hpz_keeps_one_slice_of_the_group_between_forward_and_backward():
-    for after_forward, after_backward, k, total in run_distributed(_hpz_memory, 4):
-        assert k == 2
-        assert after_forward["unsharded"] == 0 and after_forward["secondary"] == total // 2 * 4
+    for after_forward, after_backward, k, gathered in run_distributed(_hpz_memory, 4):
+        assert k == 2  # the post-forward group: 2 of the 4 ranks, each keeps half the gathered fp32 buffer
+        assert after_forward["unsharded"] == 0 and after_forward["secondary"] == gathered // 2 * 4
         assert after_backward["secondary"] == 0 and after_backward["unsharded"] == 0
 
 

@@ -39,8 +39,9 @@ class RecordingCommunicator(CountingCommunicator):
         return super().all_gather_into_tensor(out, inp)
 
 
-def expected_unsharded(group, world_size: int) -> torch.Tensor:
-    """deq(q(each rank's master shard)) laid end to end, in ``param_dtype`` (reference kernels)."""
+def expected_unsharded(group, world_size: int) -> list[torch.Tensor]:
+    """Each parameter as deq(q(every rank's master shard)) gives it, in ``param_dtype`` (reference
+    kernels): rank r's dequantised shard holds the parameter's dim-0 chunk r at its offset."""
     shard = group.sharded_flat.detach().float()
     full = torch.empty(world_size * shard.numel())
     if world_size > 1:
@@ -49,11 +50,15 @@ def expected_unsharded(group, world_size: int) -> torch.Tensor:
         full.copy_(shard)
     chunk = packed_nbytes(shard.numel())
     packed = torch.cat([reference.quantize_int8(c, torch.empty(chunk, dtype=torch.int8)) for c in full.chunk(world_size)])
-    return reference.dequantize_int8(packed, torch.empty(full.numel(), dtype=group.param_dtype), chunks=world_size)
+    shards = reference.dequantize_int8(packed, torch.empty(full.numel(), dtype=group.param_dtype),
+                                       chunks=world_size).chunk(world_size)
+    lay = group.layout
+    return [torch.cat([shards[r][lay.offsets[i] : lay.offsets[i] + lay.local_numel(r, i)] for r in range(world_size)])
+            .view(shape) for i, shape in enumerate(lay.shapes)]
 
 
 def check_unsharded_is_dequantised_master(model: nn.Module, world_size: int) -> int:
-    """Unshard every unit; assert its buffers equal deq(q(master)) exactly; return the groups seen."""
+    """Unshard every unit; assert its parameters equal deq(q(master)) exactly; return the groups seen."""
     seen = 0
     for module in model.modules():
         state = module.__dict__.get("_flashfsdp_state")
@@ -61,7 +66,8 @@ def check_unsharded_is_dequantised_master(model: nn.Module, world_size: int) -> 
             continue
         module.unshard()
         for group in state.unit.groups:
-            assert torch.equal(group.unsharded_flat, expected_unsharded(group, world_size)), state.unit.name
+            for got, want in zip(group.unsharded_params, expected_unsharded(group, world_size), strict=True):
+                assert torch.equal(got, want), state.unit.name
             seen += 1
         module.reshard()
     return seen
