@@ -3,7 +3,9 @@
     python -m benchmarks.step [--cpu] [--world-size W] [--steps N] [--dim D --layers L --seq S --batch B] [--host-bound] [--out DIR]
 
 Every system trains the same Llama-style model (``flashfsdp.models.llama``) from the same seed on
-the same batches with AdamW, one block per unit plus the root for the sharded systems. Per system:
+the same batches with torch's AdamW (``flashfsdp-flat-adamw``, named in ``--systems``: flashfsdp
+with ``flashfsdp.optim.AdamW``, one fused call per unit's flat shard), one block per unit plus the
+root for the sharded systems. Per system:
 
 - ``step_ms``: median step time over ``--steps`` timed steps after ``--warmup`` (slowest rank);
   ``tokens_per_s`` over all ranks.
@@ -62,6 +64,10 @@ EXTRA_SYSTEMS += ("flashfsdp" + COMPILED, "fsdp2" + COMPILED)
 # flashfsdp with backward all-gather elision off (set_backward_all_gather_elision(False)); with
 # --embedding-unit the embedding's backward all-gather is then made as by FSDP2.
 EXTRA_SYSTEMS += ("flashfsdp-no-elision",)
+# flashfsdp stepped by flashfsdp.optim.AdamW (one fused call per unit's flat shard) instead of
+# torch's AdamW over its DTensor parameters (every other system steps torch's AdamW).
+FLAT_OPTIM = "flashfsdp-flat-adamw"
+EXTRA_SYSTEMS += (FLAT_OPTIM,)
 # Defaults per device type: ("cuda" needs the GPUs' count, filled in by parse_args).
 DEFAULTS = {
     "cpu": {"world_size": 2, "dim": 384, "layers": 6, "heads": 6, "seq": 128, "batch": 4, "param_dtype": "fp32"},
@@ -137,7 +143,12 @@ def _run_system(rank: int, world_size: int, system: str, args) -> dict:
     if system.endswith(COMPILED):  # compiled at the first (warm-up) step
         for block in model.layers:
             block.compile(backend=args.compile_backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if system == FLAT_OPTIM:
+        import flashfsdp.optim  # noqa: PLC0415
+
+        opt = flashfsdp.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # After sharding, before any step: the full model built before fully_shard does not count.
     memory.reset()
     gen = torch.Generator().manual_seed(1000 + rank)

@@ -1,0 +1,121 @@
+"""Run a benchmark on two checkouts of flashfsdp, interleaved, and put their tables side by side.
+
+A design change is judged against the code before it, on the same machine and under the same
+load. This runs ``python -m benchmarks.<name> <args>`` alternately in the checkout ``--before``
+(e.g. ``git worktree add /tmp/before <commit>``) and in this one, ``--rounds`` times each, every
+run in a fresh process whose ``flashfsdp`` and ``benchmarks`` are its checkout's (``PYTHONPATH``
+first), and writes the median of every numeric column over the rounds per (checkout, row), with
+the rows' own in-run ratios (``vs_fsdp2`` ...) as the benchmark computed them. Each benchmark run
+also measures torch FSDP2 in the same process, so the ratios compare each checkout with FSDP2
+under the same load, and the checkouts with each other round by round.
+
+    git worktree add /tmp/before HEAD~1
+    python -m benchmarks.before_after --before /tmp/before --rounds 3 --record -- step --host-bound
+
+Writes ``before_after_<name>[_<tag>].csv`` / ``.md`` (``--record``: ``benchmarks/results/<device>/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import add_output_arguments, environment, format_table, output_dir, write_csv, write_markdown
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def run_once(tree: Path, name: str, args: list[str], out: Path) -> list[dict]:
+    """One run of ``benchmarks.<name>`` in checkout ``tree``; the rows of every CSV it wrote.
+
+    Raises:
+        RuntimeError: the run failed (its output's tail in the message).
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args, "--out", str(out)], cwd=tree,
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmarks.{name} in {tree} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    rows = []
+    for path in sorted(out.glob("*.csv")):
+        with path.open() as fh:
+            rows += [dict(row, table=path.stem) for row in csv.DictReader(fh)]
+    return rows
+
+
+def _number(value: str) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def summarise(runs: dict[str, list[list[dict]]], key: str) -> list[dict]:
+    """Per checkout and row (``table`` and ``key`` column), the median over rounds of every numeric
+    column (other columns from the first round)."""
+    out = []
+    for checkout, rounds in runs.items():
+        for i, first in enumerate(rounds[0]):
+            row = {"checkout": checkout, **first}
+            for column, value in first.items():
+                values = [_number(r[i].get(column)) for r in rounds if i < len(r)]
+                if _number(value) is not None and all(v is not None for v in values):
+                    row[column] = round(statistics.median(values), 4)
+            row["rounds"] = len(rounds)
+            out.append(row)
+    return sorted(out, key=lambda r: (r["table"], r.get(key, ""), r["checkout"] != "before"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, run both checkouts interleaved, print and write the table.
+
+    Raises:
+        SystemExit: bad arguments (``--before`` not a checkout, no benchmark named).
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", type=Path, required=True, help="checkout of the earlier code")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each checkout, interleaved")
+    parser.add_argument("--key", default="system", help="the column that names a row (default: system)")
+    parser.add_argument("--tag", default="", help="suffix of the output files")
+    add_output_arguments(parser)
+    parser.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- NAME [ARGS...]: benchmarks.NAME and its arguments")
+    args = parser.parse_args(argv)
+    bench = [a for a in args.benchmark if a != "--"] if args.benchmark else []
+    if not bench:
+        parser.error("name the benchmark after --, e.g. -- step --host-bound")
+    if not (args.before / "flashfsdp" / "__init__.py").is_file():
+        parser.error(f"--before {args.before} is not a flashfsdp checkout (no flashfsdp/__init__.py)")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    name, bench_args = bench[0], bench[1:]
+    trees = {"before": args.before.resolve(), "after": HERE}
+    runs: dict[str, list[list[dict]]] = {k: [] for k in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for checkout, tree in trees.items():
+                out = Path(tmp) / f"{checkout}-{r}"
+                runs[checkout].append(run_once(tree, name, bench_args, out))
+                print(f"round {r + 1}/{args.rounds}: {checkout} done", flush=True)
+    rows = summarise(runs, args.key)
+    env = environment(__import__("torch").device("cpu"))
+    columns = ["checkout"] + [c for c in rows[0] if c not in ("checkout", "device", "torch", "triton", "date")]
+    print(format_table(rows, columns))
+    directory = output_dir(env.slug, out=args.out, record=args.record)
+    stem = f"before_after_{name}" + (f"_{args.tag}" if args.tag else "")
+    write_csv(rows, directory / f"{stem}.csv")
+    note = [f"`python -m benchmarks.before_after --before <checkout> --rounds {args.rounds} -- {' '.join(bench)}`: "
+            f"each checkout's run in a fresh process, interleaved; medians over the rounds of each row's "
+            f"numbers (ratios as each run computed them, against FSDP2 in the same run)."]
+    write_markdown(rows, columns, directory / f"{stem}.md", title=f"Before / after: benchmarks.{name}", env=env,
+                   notes=note)
+    print(f"wrote {directory / stem}.csv/.md")
+
+
+if __name__ == "__main__":
+    main()
