@@ -1,7 +1,7 @@
 """The `flashfsdp-train` command: its command line checked before torch is imported.
 
 `--help`, `export --help`, an unknown option, a malformed value and the option values that need
-nothing but themselves (`flashfsdp_cli.train_options.check_values`) are answered here at once;
+nothing but themselves (`flashfsdp_cli.train_sections.check_values`) are answered here at once;
 any other command line is handed to `flashfsdp.train.cli.main`, which imports torch.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from flashfsdp_cli.errors import UsageError
-from flashfsdp_cli.train_options import PROG, build_export_parser, build_parser, check_values
+from flashfsdp_cli.train_options import PROG, build_export_parser, check_values, parse_options
 
 
 def precheck(argv: list[str]) -> None:
@@ -25,7 +25,7 @@ def precheck(argv: list[str]) -> None:
     if argv[:1] == ["export"]:
         build_export_parser().parse_args(argv[1:])
         return
-    check_values(vars(build_parser().parse_args(argv)))
+    check_values(parse_options(argv)[1])
 
 
 def main(argv: list[str] | None = None) -> int:

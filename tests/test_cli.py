@@ -34,12 +34,30 @@ def test_help_answers_before_torch_and_lists_export():
     assert "torch imported: False code: 0" in export.stdout and "--step N" in export.stdout
 
 
+def test_help_is_grouped_by_the_config_sections():
+    from flashfsdp_cli.train_sections import OPTIONS, SECTIONS  # noqa: PLC0415
+
+    text = _entry("--help").stdout
+    starts = [text.index(f"\n{name}:\n") for name in SECTIONS]
+    assert starts == sorted(starts)  # one group per section, in order
+    words = " ".join(text.split())
+    for name in SECTIONS:
+        assert f"([{name}] in a --config file)" in words
+    for opt in OPTIONS:  # each option in its section's group
+        group = [s for s in starts if s < text.index(f"  {opt.flag}")][-1]
+        assert group == starts[list(SECTIONS).index(opt.section)], opt.flag
+    assert "--reshard-after-forward {default,true,false,N}" in text and "[data] path in a --config file" in words
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
     (["--steps", "0"], "--steps must be positive, got 0"),
     (["--lr", "1e-3", "--min-lr", "1"], "--min-lr in [0, lr]"),
     (["--log-ranks", "some"], "--log-ranks 'some': give 0, all, or ranks such as 0,3"),
+    (["--reshard-after-forward", "maybe"], "argument --reshard-after-forward: give true, false, default or a number"),
+    (["--reshard-after-forward", "-1"], "--reshard-after-forward must be true, false or a positive integer, got -1"),
+    (["--param-dtype", "fp8"], "argument --param-dtype: invalid choice: 'fp8'"),
     (["export", "--out", "run"], "the following arguments are required: --to"),
 ])
 def test_usage_errors_are_one_line_before_torch(argv, message):

@@ -11,9 +11,14 @@ the command line to the runtime:
 - `cli`: the entry point `main` (after `flashfsdp_cli.train`, which checks the command line
   before torch is imported): config, the run directory's lock, checks, then launch the workers
   or train as one;
-- `config`: the frozen `TrainConfig` built once from the command line (its parser:
-  `flashfsdp_cli.train_options`), and run.json with the run's resumptions;
-- `config_file`: --config FILE.toml, option values checked against the parser;
+- `config`: the frozen `TrainConfig` built once from the command line, one section of each
+  kind (`flashfsdp_cli.train_sections`: typed dataclasses whose fields generate the options and
+  the TOML keys; the parser: `flashfsdp_cli.train_options`);
+- `config_file`: --config FILE.toml, one table per section (the flat keys of old files still
+  load, with a deprecation notice); `run_file`: run.json, the resolved sections and the run's
+  resumptions (an old flat run.json still resumes);
+- `precision`: the dtype names parsed into torch dtypes, once, and the run's one
+  `MixedPrecisionPolicy`;
 - `errors`: `UsageError`, bad input (one line, exit code 2);
 - `checks`: what is refused before any worker starts (batch split, memory fit, data, run dir);
 - `launch`: starting the workers (torch elastic), joining the process group (with the
@@ -23,7 +28,8 @@ the command line to the runtime:
 - `hf_config` / `hf_names` / `pretrained`: --init-from, a transformers Llama folder's config,
   names and weights, loaded unit by unit; `freezing`: --freeze;
 - `trainer`: `Trainer` (train_step, evaluate, save, train) and `run_worker`, one rank's job;
-- `sharding`: the meta-device build, sharding and gradient clipping through flashfsdp;
+- `sharding`: the meta-device build, sharding (--reshard-after-forward) and gradient clipping
+  through flashfsdp;
 - `activation_checkpointing`: --activation-checkpointing, torch's checkpoint wrapper per block;
 - `checkpoints`: the run directory's checkpoints: naming, finding, saving, rotation;
 - `data`: the corpus, its split, and the per-rank batches through `torch.utils.data`;

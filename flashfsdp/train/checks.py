@@ -77,6 +77,22 @@ def check_batch(batch_size: int, grad_accum: int, world_size: int) -> None:
         )
 
 
+def check_reshard_after_forward(value: bool | int | None, world_size: int) -> None:
+    """--reshard-after-forward N must be a number of ranks that divides the world size (as
+    `fully_shard` takes it: 1 keeps the unsharded parameters, W reshards fully, 1 < N < W keeps a
+    copy sharded over groups of N ranks); True, False and None (the default) always pass.
+
+    Raises:
+        UsageError: an N < 1, or one that does not divide `world_size` (names the divisors).
+    """
+    if value is None or isinstance(value, bool):
+        return
+    if value < 1 or world_size % value:
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise UsageError(f"--reshard-after-forward {value} does not divide the {world_size} rank(s); give "
+                         f"one of {divisors}, or true, false or default")
+
+
 def check_data(path: str | None, seed: int, seq_len: int, batch_size: int,
                world_size: int, tokenizer: str | None = None) -> Corpus:
     """Load the corpus and check that both splits hold a global batch of windows.
@@ -177,11 +193,10 @@ def estimate_bytes_per_rank(cfg: LlamaConfig, world_size: int, micro_batch: int,
 def rank_bytes_needed(config: TrainConfig, world_size: int) -> int:
     """`estimate_bytes_per_rank` of the run: its model, micro-batch, sequence, compute dtype and
     activation checkpointing."""
-    cfg = config.model
-    micro_batch = config.batch_size // (world_size * config.grad_accum)
-    param_bytes = 2 if config.param_dtype == "bf16" else 4
-    return estimate_bytes_per_rank(cfg, world_size, micro_batch, cfg.max_seq_len, param_bytes,
-                                   config.activation_checkpointing)
+    cfg, training = config.llama, config.training
+    micro_batch = training.batch_size // (world_size * training.grad_accum)
+    return estimate_bytes_per_rank(cfg, world_size, micro_batch, cfg.max_seq_len, config.precision.compute_bytes,
+                                   training.activation_checkpointing)
 
 
 def host_bytes_needed(config: TrainConfig, world_size: int, local_world: int,
@@ -199,7 +214,7 @@ def host_bytes_needed(config: TrainConfig, world_size: int, local_world: int,
         running: the ranks' processes exist (the check runs in a worker).
     """
     per_rank = 0 if running else PROCESS_OVERHEAD_BYTES + corpus_bytes
-    if config.device == "cpu":
+    if config.run.device == "cpu":
         per_rank += rank_bytes_needed(config, world_size)
     return local_world * per_rank
 
@@ -220,21 +235,21 @@ def check_fit(config: TrainConfig, world_size: int, local_world: int, corpus_byt
             gives the figures and suggests fewer local ranks, a smaller model or batch, or more
             ranks on CUDA.
     """
-    size = f"{config.model_flags} ({config.model.num_params() / 1e6:.0f}M parameters)"
+    size = f"{config.model_flags} ({config.llama.num_params() / 1e6:.0f}M parameters)"
     need, host_need = rank_bytes_needed(config, world_size), host_bytes_needed(
         config, world_size, local_world, corpus_bytes, running=under_torchrun())
     host = host_available_memory()
     process = (PROCESS_OVERHEAD_BYTES + corpus_bytes) / GiB
     if host_need > USABLE_FRACTION * host:
-        model = f"{need / GiB:.1f} GiB for the model and " if config.device == "cpu" else ""
+        model = f"{need / GiB:.1f} GiB for the model and " if config.run.device == "cpu" else ""
         raise UsageError(
             f"{size} needs about {host_need / GiB:.1f} GiB on this host for {local_world} rank(s) "
             f"({model}{process:.1f} GiB for the process and its data, per rank) but "
             f"{host / GiB:.1f} GiB is free; use a smaller --nproc, --preset, --batch-size or "
             "--seq-len, or a machine with more memory"
         )
-    have = available_memory(config.device)
-    if config.device == "cuda" and need > USABLE_FRACTION * have:
+    have = available_memory(config.run.device)
+    if config.run.device == "cuda" and need > USABLE_FRACTION * have:
         raise UsageError(
             f"{size} needs about {need / GiB:.1f} GiB per GPU at {world_size} rank(s) but a GPU "
             f"has {have / GiB:.1f} GiB; use more ranks (--nproc, or torchrun over more nodes), "
@@ -315,8 +330,9 @@ class Inputs:
 
 
 def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
-    """All the checks that need no process group, in order: batch split, run directory, data,
-    memory fit (the corpus each rank loads included), --freeze patterns, --init-from weights.
+    """All the checks that need no process group, in order: batch split, resharding group size,
+    run directory, data, memory fit (the corpus each rank loads included), --freeze patterns,
+    --init-from weights, --compile.
 
     Args:
         config: the run's config.
@@ -326,17 +342,19 @@ def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
     Raises:
         UsageError: the first check that fails.
     """
-    check_batch(config.batch_size, config.grad_accum, world_size)
-    resume_from = check_out(config.out, config.resume)
-    check_not_finished(resume_from, config.steps)
-    corpus = check_data(config.data, config.seed, config.model.max_seq_len, config.batch_size,
-                        world_size, config.tokenizer)
+    training, out, resume = config.training, config.run.out, config.checkpoint.resume
+    check_batch(training.batch_size, training.grad_accum, world_size)
+    check_reshard_after_forward(config.sharding.reshard_after_forward, world_size)
+    resume_from = check_out(out, resume)
+    check_not_finished(resume_from, training.steps)
+    corpus = check_data(config.data.path, training.seed, config.llama.max_seq_len, training.batch_size,
+                        world_size, config.data.tokenizer)
     check_fit(config, world_size, local_world, corpus.train.numel() + corpus.val.numel())
-    check_freeze(config.freeze, config.model)
-    if config.init_from is not None and not config.resume:
-        weight_files(config.init_from)  # safetensors weights are there (read unit by unit later)
-    if config.compile:
+    check_freeze(config.model.freeze, config.llama)
+    if config.model.init_from is not None and not resume:
+        weight_files(config.model.init_from)  # safetensors weights are there (read unit by unit later)
+    if training.compile:
         from flashfsdp.train.sharding import check_compile  # noqa: PLC0415 - only for --compile
 
-        check_compile(config.device)
+        check_compile(config.run.device)
     return Inputs(corpus, resume_from)

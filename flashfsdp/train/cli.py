@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from flashfsdp import log
 from flashfsdp.train.checks import check_nproc, check_writable, validate
-from flashfsdp.train.config import PROG, TrainConfig, UsageError, build_parser
+from flashfsdp.train.config import PROG, TrainConfig, UsageError, parse_options
 from flashfsdp.train.launch import launch, launched_by_us, under_torchrun, worker_world
 from flashfsdp.train.run_lock import RunLock
 
@@ -29,13 +29,14 @@ def _tqdm_line(line: str) -> None:
 
 
 def configure_logging(argv: list[str]) -> None:
-    """Show the `flashfsdp` logger's INFO records on stderr, from the ranks of argv's --log-ranks.
+    """Show the `flashfsdp` logger's INFO records on stderr, from the ranks of argv's --log-ranks
+    (rank 0 when not given there; a --config file's value applies once the config is resolved).
 
     Raises:
         SystemExit: argv does not parse (code 2, argparse's one line).
         UsageError: an invalid --log-ranks.
     """
-    ranks = build_parser().parse_known_args(argv)[0].log_ranks
+    ranks = parse_options(argv)[1]["logging.log_ranks"] or "0"
     try:
         log.configure(ranks, prefix=PROG, write=_tqdm_line)
     except ValueError as err:
@@ -61,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(argv)
         # Our own workers repeat the checks of their parent but not its warnings.
         config = TrainConfig.from_argv(argv, warn=not (worker and launched_by_us()))
+        log.set_log_ranks(config.logging.log_ranks)
         if worker:
             world_size, local_world = worker_world()
         else:
-            world_size = local_world = check_nproc(config.nproc, config.device)
-            check_writable(config.out)
-            lock = RunLock.acquire(config.out, command=f"{PROG} (launcher of {world_size} workers)")
+            world_size = local_world = check_nproc(config.run.nproc, config.run.device)
+            check_writable(config.run.out)
+            lock = RunLock.acquire(config.run.out, command=f"{PROG} (launcher of {world_size} workers)")
         inputs = validate(config, world_size, local_world)
     except UsageError as err:
         if lock is not None:
@@ -84,4 +86,4 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_worker(config, inputs.corpus, inputs.resume_from, hold_lock=not launched_by_us())
     with lock:
-        return launch(world_size, argv + ["--out", config.out, "--device", config.device], config.device)
+        return launch(world_size, argv + ["--out", config.run.out, "--device", config.run.device], config.run.device)

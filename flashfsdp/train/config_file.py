@@ -1,23 +1,36 @@
-"""`flashfsdp-train --config run.toml`: a TOML file of option values, checked against the parser.
+"""`flashfsdp-train --config run.toml`: a TOML file of option values, one table per section.
 
-The file is a flat table whose keys are the command line's option names, written with '-' or
-'_' (``seq-len = 256`` or ``seq_len = 256``); its values become the parser's defaults, so a flag
-given on the command line overrides the file. Each value must have the option's type: an
-integer for an integer option, a number for a float option, a string for a string option (one
-of the option's choices, where it has them), true/false for a switch. The file is read with
-`tomllib` (Python 3.11+, the `tomli` package before). The run's resolved config is what
-`TrainConfig.save` writes to `<out>/run.json`; the TOML file is only one of its inputs.
+    [model]
+    preset = "small"
+    seq_len = 256
+    [training]
+    steps = 2000
+    [sharding]
+    param_dtype = "bf16"
+    reshard_after_forward = false
+
+The tables are the sections of `flashfsdp-train --help` (`flashfsdp_cli.train_sections`), the
+keys their options' field names (written with '_' or '-'); a flag given on the command line
+overrides the file. Each value must have the option's type: an integer for an integer option, a
+number for a float option, a string for a string option (one of the option's choices, where it
+has them), true/false for a switch, an array of strings for a repeatable option (--freeze), and
+true, false or an integer for --reshard-after-forward. The earlier flat layout, the options'
+names at the top level (``seq-len = 256``), still loads, with one deprecation notice through the
+`flashfsdp` logger naming each key's section. The file is read with `tomllib` (Python 3.11+, the
+`tomli` package before). The run's resolved config is what `TrainConfig.save` writes to
+`<out>/run.json`; the TOML file is only one of its inputs.
 """
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
+from flashfsdp.log import get_logger
 from flashfsdp.train.errors import UsageError
+from flashfsdp_cli.config_fields import Option, convert
+from flashfsdp_cli.train_sections import BY_KEY, SECTIONS, option_named
 
-# Options a config file may not set: the file itself and argparse's help.
-_NOT_IN_FILE = ("config", "help")
+_log = get_logger(__name__)
 
 
 def _toml():
@@ -44,72 +57,66 @@ def read_toml(path: str) -> dict[str, Any]:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except OSError as err:
-        raise UsageError(f"--config {path}: cannot read it ({err.strerror or err})") from None
+        raise UsageError(f"--config {path}: cannot read it ({err.strerror or err}); "
+                         "give an existing TOML file") from None
     except tomllib.TOMLDecodeError as err:
         raise UsageError(f"--config {path}: not valid TOML: {err}") from None
 
 
-def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """The parser's optional arguments by destination name (seq_len for --seq-len)."""
-    return {a.dest: a for a in parser._actions  # noqa: SLF001 - argparse has no public listing
-            if a.option_strings and a.dest not in _NOT_IN_FILE}
+def _section_items(where: str, section: str, table: dict) -> list[tuple[str, Option, Any]]:
+    """(key as written, option, value) of each key of the `[section]` table."""
+    items = []
+    for name, value in table.items():
+        opt = BY_KEY.get(f"{section}.{name.replace('-', '_')}")
+        if opt is None:
+            keys = ", ".join(k.partition(".")[2] for k in BY_KEY if k.startswith(section + "."))
+            raise UsageError(f"{where}: unknown key '{section}.{name}'; the keys of [{section}] are {keys}")
+        items.append((f"{section}.{name}", opt, value))
+    return items
 
 
-def _kind(action: argparse.Action) -> str:
-    """"switch", "int", "float" or "str": what a file value for `action` must be."""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # noqa: SLF001
-        return "switch"
-    if action.type is int:
-        return "int"
-    if action.type is float:
-        return "float"
-    return "str"
+def _flat_item(where: str, key: str, value: Any) -> tuple[str, Option, Any]:
+    """(key, option, value) of a top-level key: an option's name in the earlier flat layout."""
+    opt = option_named(key)
+    if opt is not None:
+        return key, opt, value
+    if key in SECTIONS:
+        raise UsageError(f"{where}: key {key!r} must be a table: write its options under [{key}]")
+    if isinstance(value, dict):
+        raise UsageError(f"{where}: unknown section [{key}]; the sections are {', '.join(SECTIONS)}")
+    raise UsageError(f"{where}: unknown key {key!r}; write each option in the table of its --help group, "
+                     "by its name with '_': [model] seq_len = 256")
 
 
-_EXPECTED = {"switch": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
-
-
-def _converted(key: str, value: Any, action: argparse.Action, where: str) -> Any:
-    """`value` as the option's type, or UsageError naming `key` and the type it needs."""
-    kind = _kind(action)
-    ok = {"switch": isinstance(value, bool),
-          "int": isinstance(value, int) and not isinstance(value, bool),
-          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-          "str": isinstance(value, str)}[kind]
-    if not ok:
-        raise UsageError(f"{where}: key {key!r} must be {_EXPECTED[kind]}, got {value!r} "
-                         f"({type(value).__name__})")
-    if kind == "float":
-        return float(value)
-    if kind == "str" and callable(action.type):
-        value = action.type(value)
-    if action.choices is not None and value not in action.choices:
-        raise UsageError(f"{where}: key {key!r} must be one of {', '.join(map(str, action.choices))}, "
-                         f"got {value!r}")
-    return value
-
-
-def file_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
-    """The option values the TOML file `path` sets, by destination name, checked and typed.
+def file_values(path: str, warn: bool = True) -> dict[str, Any]:
+    """The option values the TOML file `path` sets, by dotted key, checked and typed.
 
     Args:
-        parser: the command line's parser (its optional arguments define the valid keys).
         path: the TOML file (--config).
+        warn: log the deprecation notice of top-level (flat) keys.
 
     Returns:
-        {dest: value}, e.g. {"seq_len": 256, "lr": 0.001}, ready for `parser.set_defaults`.
+        {dotted key: value}, e.g. {"model.seq_len": 256, "optimizer.lr": 0.001}.
 
     Raises:
-        UsageError: an unreadable or invalid file; a key that is no option (or is `config`);
-            a value of the wrong type or outside the option's choices. The message names the
-            file and the key.
+        UsageError: an unreadable or invalid file; an unknown section or key (`config` among
+            them); an option given twice (flat and in its section); a value of the wrong type or
+            outside the option's choices. The message names the file and the key.
     """
-    options, where = _options(parser), f"--config {path}"
-    values = {}
+    where = f"--config {path}"
+    items, flat = [], []
     for key, value in read_toml(path).items():
-        dest = key.replace("-", "_")
-        if dest not in options:
-            raise UsageError(f"{where}: unknown key {key!r}; keys are the options of "
-                             f"{parser.prog} --help without the leading '--'")
-        values[dest] = _converted(key, value, options[dest], where)
+        if key in SECTIONS and isinstance(value, dict):
+            items += _section_items(where, key, value)
+        else:
+            items.append(_flat_item(where, key, value))
+            flat.append(items[-1])
+    values: dict[str, Any] = {}
+    for key, opt, value in items:
+        if opt.key in values:
+            raise UsageError(f"{where}: {opt.key} is set twice (key {key!r}); keep the one in [{opt.section}]")
+        values[opt.key] = convert(opt, value, where, key)
+    if flat and warn:
+        _log.warning("%s: top-level keys are deprecated; move each into its section's table: %s", where,
+                     ", ".join(f"{key} -> {opt.key}" for key, opt, _ in flat))
     return values

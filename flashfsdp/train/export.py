@@ -101,14 +101,14 @@ def export(out: str, path: str, to: str) -> tuple[int, str]:
     """
     transformers, st = _libraries()
     run = TrainConfig.from_argv(["--resume", "--out", out], warn=False)
-    config = run.model
+    config = run.llama
     model = Llama(config)
     step = checkpoint.load(path, model)["step"]
     tensors = to_hf_state_dict(model.state_dict(), config)
     os.makedirs(to, exist_ok=True)
     remove_stale_weights(to, {SINGLE_FILE})
     hf_config(config, transformers).save_pretrained(to)
-    run_tokenizer(run.tokenizer, transformers).save_pretrained(to)
+    run_tokenizer(run.data.tokenizer, transformers).save_pretrained(to)
     weights = os.path.join(to, SINGLE_FILE)
     st.save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
     os.replace(weights + ".tmp", weights)

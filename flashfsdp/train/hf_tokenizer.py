@@ -27,7 +27,7 @@ def byte_tokenizer():
 
 
 def run_tokenizer(path: str | None, transformers):
-    """The run's tokenizer (`TrainConfig.tokenizer`: a tokenizer.json, or None for bytes) as a
+    """The run's tokenizer (`TrainConfig.data.tokenizer`: a tokenizer.json, or None for bytes) as a
     `transformers.PreTrainedTokenizerFast`, to `save_pretrained` beside the model.
 
     Raises:

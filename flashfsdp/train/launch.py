@@ -32,7 +32,6 @@ runs and rank 0 writes the rest.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import signal
@@ -44,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from flashfsdp.train.config import DEFAULT_TIMEOUT_S, PROG, build_parser
+from flashfsdp.train.config import DEFAULT_TIMEOUT_S, PROG, parse_options
 from flashfsdp.train.stopping import report_stop, stop_signal_of
 
 if TYPE_CHECKING:
@@ -102,7 +101,7 @@ def launch(nproc: int, worker_argv: list[str], device_type: str) -> int:
         [Note: stop signals] in `flashfsdp.train.stopping`); otherwise the first failed worker's
         exit code (its own error message is already on stderr).
     """
-    out = os.path.abspath(build_parser().parse_args(worker_argv).out)
+    out = os.path.abspath(parse_options(worker_argv)[1]["run.out"])
     _worker_environment(nproc, device_type)
     with tempfile.TemporaryDirectory(prefix="flashfsdp-train-") as logs:  # the agent's, removed after
         return _run_agent(_launch_config(nproc, logs), worker_argv, out)
@@ -228,7 +227,7 @@ def agree_run_dir(config: TrainConfig, resume_from: str | None
 
     Args:
         config: this rank's config.
-        resume_from: the checkpoint this rank's checks found in its `config.out`, or None.
+        resume_from: the checkpoint this rank's checks found in its `config.run.out`, or None.
 
     Returns:
         (`config` with rank 0's `out`, rank 0's `resume_from`).
@@ -239,13 +238,13 @@ def agree_run_dir(config: TrainConfig, resume_from: str | None
             shares); the message lists what each rank found.
     """
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (config.out, resume_from))
+    dist.all_gather_object(everyone, (config.run.out, resume_from))
     out, first = everyone[0]
     if any(found != first for _, found in everyone):
         found = "; ".join(f"rank {r}: {path} in {d}" for r, (d, path) in enumerate(everyone))
         raise RuntimeError(
             f"{PROG}: --resume: the ranks found different checkpoints to continue from ({found}); "
             "give every node the same --out, on a file system they all share")
-    if out == config.out:
+    if out == config.run.out:
         return config, resume_from
-    return dataclasses.replace(config, out=out), first
+    return config.with_out(out), first

@@ -21,7 +21,6 @@ from flashfsdp.runtime.memory import PeakMemoryMeter
 from flashfsdp.train.config import load_saved_config
 from flashfsdp.train.flops import format_mfu
 from flashfsdp.train.loggers import TENSORBOARD_DIR, Sink
-from flashfsdp.train.sharding import mixed_precision
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -195,7 +194,8 @@ def estimated_memory(out: str, world_size: int) -> int | None:
         config = load_saved_config(out)
     except FileNotFoundError:
         return None
-    return estimate(config.model, world_size, mp_policy=mixed_precision(config.param_dtype, config.reduce_dtype)).total_bytes
+    return estimate(config.llama, world_size, mp_policy=config.precision.policy,
+                    reshard_after_forward=config.sharding.reshard_after_forward).total_bytes
 
 
 def _peak_memory(out: str, summary: dict) -> str:

@@ -16,44 +16,34 @@ from torch import nn
 from flashfsdp import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from flashfsdp.models import Attention, Llama, LlamaConfig
 from flashfsdp.train.activation_checkpointing import checkpoint_blocks
-from flashfsdp.train.config import UsageError
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from flashfsdp.train.errors import UsageError
 
 
-def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
-    """`MixedPrecisionPolicy` of dtype names "bf16" / "fp16" / "fp32".
-
-    Raises:
-        ValueError: a name that is not "bf16", "fp16" or "fp32".
-    """
-    for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if value not in DTYPES:
-            raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {value!r}")
-    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
-
-
-def shard_model(model: Llama, policy: MixedPrecisionPolicy) -> Llama:
+def shard_model(model: Llama, policy: MixedPrecisionPolicy, reshard_after_forward: bool | int | None = None) -> Llama:
     """Shard `model` in place: one flashfsdp unit per `Block`, then the root unit (embeddings,
     final norm, tied output), all with `policy`.
 
     Args:
         model: an unsharded `Llama` (on the meta device, or on this rank's device and identical
             on every rank).
-        policy: the mixed-precision policy of every unit.
+        policy: the mixed-precision policy of every unit (`flashfsdp.train.precision`).
+        reshard_after_forward: each block's `fully_shard(reshard_after_forward=...)`: None for
+            fully_shard's default, True, False, or a number of ranks that divides the world size
+            (--reshard-after-forward). The root keeps fully_shard's default: backward needs its
+            parameters first.
 
     Returns:
         `model`, now also an `FSDPModule`.
     """
     for block in model.layers:
-        fully_shard(block, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy)
     return model
 
 
 def build_sharded_model(config: LlamaConfig, device: torch.device, policy: MixedPrecisionPolicy,
                         seed: int | None, activation_checkpointing: bool = False, compiled: bool = False,
-                        ) -> tuple[Llama, frozenset[str]]:
+                        reshard_after_forward: bool | int | None = None) -> tuple[Llama, frozenset[str]]:
     """A sharded `Llama` of which this rank only ever materialises its shards.
 
     Built on the meta device, sharded by `shard_model`, moved with `to_empty(device=device)`;
@@ -69,6 +59,7 @@ def build_sharded_model(config: LlamaConfig, device: torch.device, policy: Mixed
         activation_checkpointing: wrap each block for recomputation before sharding
             (`flashfsdp.train.activation_checkpointing.checkpoint_blocks`).
         compiled: compile each block once sharded (`compile_blocks`).
+        reshard_after_forward: the blocks' setting (see `shard_model`).
 
     Returns:
         (model, names of its vector parameters, ndim < 2, read before sharding: the RMSNorm
@@ -79,7 +70,7 @@ def build_sharded_model(config: LlamaConfig, device: torch.device, policy: Mixed
     if activation_checkpointing:
         checkpoint_blocks(model)
     vectors = frozenset(n for n, p in model.named_parameters() if p.dim() < 2)
-    shard_model(model, policy)
+    shard_model(model, policy, reshard_after_forward)
     model.to_empty(device=device)
     if seed is None:
         for module in model.modules():

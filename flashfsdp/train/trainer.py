@@ -11,7 +11,6 @@ SIGTERM: see [Note: stop signals] in `flashfsdp.train.stopping`.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import signal
@@ -35,7 +34,8 @@ from flashfsdp.train.lr_schedule import lr_at
 from flashfsdp.train.loggers import open_sinks
 from flashfsdp.train.pretrained import load_pretrained
 from flashfsdp.train.run_lock import hold_on_rank0
-from flashfsdp.train.sharding import build_sharded_model, clip_grad_norm, mixed_precision
+from flashfsdp.train.precision import Precision
+from flashfsdp.train.sharding import build_sharded_model, clip_grad_norm
 from flashfsdp.train.stopping import StopFlag, exit_code
 from flashfsdp.train.tokenizer import load_tokenizer
 
@@ -71,11 +71,11 @@ def build_optimizer(model: torch.nn.Module, no_decay: frozenset[str], weight_dec
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS)
 
 
-def build_grad_scaler(param_dtype: str, reduce_dtype: str, device: torch.device) -> ShardedGradScaler:
+def build_grad_scaler(precision: Precision, device: torch.device) -> ShardedGradScaler:
     """`flashfsdp.ShardedGradScaler` with torch's defaults (initial scale 2**16, halved after an
-    overflow, doubled after 2000 clean steps), enabled when either dtype name is "fp16"; else
-    disabled (its `step` just steps the optimizer)."""
-    return ShardedGradScaler(device.type, enabled="fp16" in (param_dtype, reduce_dtype))
+    overflow, doubled after 2000 clean steps), enabled when the run computes or reduces in
+    float16 (`Precision.loss_scaling`); else disabled (its `step` just steps the optimizer)."""
+    return ShardedGradScaler(device.type, enabled=precision.loss_scaling)
 
 
 class Trainer:
@@ -95,10 +95,10 @@ class Trainer:
         device: this rank's device.
         stop: the SIGINT / SIGTERM flag read at the end of each step (None: never stops early).
         resume_from: checkpoint to continue from (None: a fresh run initialised from the seed);
-            given exactly when `config.resume`.
+            given exactly when `config.checkpoint.resume`.
 
     Raises:
-        ValueError: `resume_from` given without `config.resume`, or missing with it.
+        ValueError: `resume_from` given without `config.checkpoint.resume`, or missing with it.
 
     Attributes:
         step: optimizer steps done.
@@ -108,9 +108,10 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, corpus: Corpus, rank: int, world_size: int,
                  device: torch.device, stop: StopFlag | None = None, resume_from: str | None = None):
-        if config.resume != (resume_from is not None):
+        if config.checkpoint.resume != (resume_from is not None):
             raise ValueError(
-                f"Trainer: resume_from={resume_from!r} does not match config.resume={config.resume}; "
+                f"Trainer: resume_from={resume_from!r} does not match config.checkpoint.resume="
+                f"{config.checkpoint.resume}; "
                 "pass the checkpoint to continue from exactly when resuming "
                 "(flashfsdp.train.checks.check_out finds it)")
         self._t_start = time.perf_counter()
@@ -123,19 +124,21 @@ class Trainer:
         self.memory.reset()
         self.config, self.corpus = config, corpus
         self.rank, self.world_size, self.device, self.stop = rank, world_size, device, stop
-        self.model_config = config.model
+        self.model_config = config.llama
         seq_len = self.model_config.max_seq_len
         self.unigram = unigram_entropy(corpus.train)
-        self.tokenizer = load_tokenizer(config.tokenizer)
-        self.micro_batch = config.batch_size // world_size // config.grad_accum
-        self.tokens_per_step = config.batch_size * seq_len
+        self.tokenizer = load_tokenizer(config.data.tokenizer)
+        training = config.training
+        self.micro_batch = training.batch_size // world_size // training.grad_accum
+        self.tokens_per_step = training.batch_size * seq_len
         self.throughput = Throughput(self.tokens_per_step, world_size,
                                      flops_per_token(self.model_config, seq_len),
-                                     device_peak_flops(device, config.param_dtype, config.peak_tflops))
+                                     device_peak_flops(device, config.sharding.param_dtype,
+                                                       config.logging.peak_tflops))
         self.model, no_decay = self._build(resume_from)
-        self.frozen: FreezeSummary = freeze(self.model, config.freeze, self.model_config)
-        self.optimizer = build_optimizer(self.model, no_decay, config.weight_decay, config.lr)
-        self.scaler = build_grad_scaler(config.param_dtype, config.reduce_dtype, device)
+        self.frozen: FreezeSummary = freeze(self.model, config.model.freeze, self.model_config)
+        self.optimizer = build_optimizer(self.model, no_decay, config.optimizer.weight_decay, config.optimizer.lr)
+        self.scaler = build_grad_scaler(config.precision, device)
         self.step, self.saved_extra = 0, {}
         self.resumed = resume_from is not None
         if self.resumed:
@@ -147,7 +150,7 @@ class Trainer:
             self._record_start()
         dist.barrier()
         self.start_step = self.step
-        self._train_batches = iter(self._loader(corpus.train, config.seed, self.step))
+        self._train_batches = iter(self._loader(corpus.train, training.seed, self.step))
         # fp16: optimizer steps skipped because a gradient overflowed (over the whole run)
         self.overflow_steps = self.saved_extra.get("overflow_steps", 0)
         self.train_loss = self.saved_extra.get("train_loss")
@@ -158,15 +161,14 @@ class Trainer:
     def _build(self, resume_from: str | None) -> tuple[torch.nn.Module, frozenset[str]]:
         """The sharded model (`build_sharded_model`), initialised from the seed, or left for the
         checkpoint `resume_from`, or loaded from --init-from unit by unit (`load_pretrained`)."""
-        c = self.config
-        policy = dataclasses.replace(mixed_precision(c.param_dtype, c.reduce_dtype),
-                                     all_gather_dtype=torch.int8 if c.all_gather_dtype == "int8" else None)
-        fresh_init = resume_from is None and c.init_from is None
+        c, init_from = self.config, self.config.model.init_from
+        fresh_init = resume_from is None and init_from is None
         model, no_decay = build_sharded_model(
-            self.model_config, self.device, policy, seed=c.seed if fresh_init else None,
-            activation_checkpointing=c.activation_checkpointing, compiled=c.compile)
-        if resume_from is None and c.init_from is not None:
-            load_pretrained(model, c.init_from, self.model_config)
+            self.model_config, self.device, c.precision.policy, seed=c.training.seed if fresh_init else None,
+            activation_checkpointing=c.training.activation_checkpointing, compiled=c.training.compile,
+            reshard_after_forward=c.sharding.reshard_after_forward)
+        if resume_from is None and init_from is not None:
+            load_pretrained(model, init_from, self.model_config)
         return model, no_decay
 
     def _record_start(self) -> None:
@@ -175,23 +177,23 @@ class Trainer:
         c = self.config
         if not self.resumed:
             c.save()
-            report.reset(c.out)
+            report.reset(c.run.out)
             return
         changed = c.record_resumption(self.step, self.world_size)["changed"]
-        clear_stop_record(c.out)
+        clear_stop_record(c.run.out)
         if changed:
             _log.info("resumed with %s", ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items())))
 
     def _loader(self, data: torch.Tensor, seed: int, start_step: int):
         """This rank's batches of `data` from `start_step` on (`flashfsdp.train.data.batch_loader`)."""
-        return batch_loader(data, self.model_config.max_seq_len, self.config.batch_size,
+        return batch_loader(data, self.model_config.max_seq_len, self.config.training.batch_size,
                             self.world_size, self.rank, seed, start_step,
                             pin_memory=self.device.type == "cuda")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based) on the run's schedule."""
-        c = self.config
-        return lr_at(step, c.lr, c.warmup, c.decay_steps, c.min_lr)
+        o = self.config.optimizer
+        return lr_at(step, o.lr, o.warmup, o.decay_steps, o.min_lr)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy (nats) of int64 (b, T) inputs x and targets y."""
@@ -214,7 +216,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = next(self._train_batches)
-        accum = self.config.grad_accum
+        accum = self.config.training.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         for i, (xs, ys) in enumerate(zip(x.split(self.micro_batch), y.split(self.micro_batch))):
             self.model.set_requires_gradient_sync(i == accum - 1)
@@ -240,7 +242,7 @@ class Trainer:
         """Unscale (fp16), clip, step AdamW unless a gradient overflowed, update the loss scale,
         zero the gradients. Returns (the global gradient norm, whether the step was skipped)."""
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model, self.config.max_grad_norm)
+        grad_norm = clip_grad_norm(self.model, self.config.optimizer.max_grad_norm)
         skipped_before = self.scaler.steps_skipped
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -254,8 +256,8 @@ class Trainer:
         """Mean validation loss (nats/byte) over the same `eval_batches` global batches, all
         ranks; also recorded as `val_loss` after `step`."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of row losses, rows)
-        val = self._loader(self.corpus.val, self.config.seed + VAL_SEED_OFFSET, 0)
-        for x, y in itertools.islice(val, self.config.eval_batches):
+        val = self._loader(self.corpus.val, self.config.training.seed + VAL_SEED_OFFSET, 0)
+        for x, y in itertools.islice(val, self.config.eval.eval_batches):
             for xs, ys in zip(x.split(self.micro_batch), y.split(self.micro_batch)):
                 total[0] += self._loss(xs, ys).double() * xs.shape[0]
                 total[1] += xs.shape[0]
@@ -270,22 +272,22 @@ class Trainer:
         extra = {"train_loss": self.train_loss,
                  "val_loss": self.val_loss if self.val_step == self.step else None,
                  "lr": self.lr_at(max(self.step - 1, 0)), "world_size": self.world_size,
-                 "seed": c.seed, "batch_size": c.batch_size, "next_step": self.step,
+                 "seed": c.training.seed, "batch_size": c.training.batch_size, "next_step": self.step,
                  "overflow_steps": self.overflow_steps}
         if self.scaler.is_enabled():
             extra["grad_scaler"] = self.scaler.state_dict()
-        path = save_checkpoint(c.out, self.model, self.optimizer, self.step, extra,
-                               c.keep_checkpoints, self.rank)
+        path = save_checkpoint(c.run.out, self.model, self.optimizer, self.step, extra,
+                               c.checkpoint.keep_checkpoints, self.rank)
         self.last_saved = self.step
         return path
 
     def sample(self) -> list[str]:
         """`SAMPLE_COUNT` continuations of the prompt, `sample_tokens` tokens each (collective:
         every rank runs the same forwards; the same seed gives the same text)."""
-        ids = self.tokenizer.encode(self.config.prompt) or self.tokenizer.encode("\n")
+        ids = self.tokenizer.encode(self.config.eval.prompt) or self.tokenizer.encode("\n")
         start = torch.tensor([ids] * SAMPLE_COUNT, dtype=torch.long, device=self.device)
-        gen = torch.Generator().manual_seed(self.config.seed)
-        out = self.model.generate(start, self.config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
+        gen = torch.Generator().manual_seed(self.config.training.seed)
+        out = self.model.generate(start, self.config.eval.sample_tokens, temperature=SAMPLE_TEMPERATURE,
                                   generator=gen)
         return [self.tokenizer.decode(row.tolist()) for row in out.cpu()]
 
@@ -299,8 +301,9 @@ class Trainer:
             checkpoint of the last step done is saved first: `_stop`).
         """
         c = self.config
-        sinks = open_sinks(c.out, c.tensorboard, c.wandb, dataclasses.asdict(c)) if self.rank == 0 else []
-        progress = report.Progress(c.out, c.steps, self.start_step, enabled=self.rank == 0, sinks=sinks)
+        log = c.logging
+        sinks = open_sinks(c.run.out, log.tensorboard, log.wandb, c.sections()) if self.rank == 0 else []
+        progress = report.Progress(c.run.out, c.training.steps, self.start_step, enabled=self.rank == 0, sinks=sinks)
         try:
             return self._train(progress)
         finally:
@@ -309,7 +312,7 @@ class Trainer:
     def _train(self, progress: report.Progress) -> int:
         """`train` with its progress bar and metric sinks open."""
         _log.info(self._header())
-        if self.config.freeze:
+        if self.config.model.freeze:
             f = self.frozen
             _log.info("--freeze: training %.2fM parameters, %.2fM frozen (%d tensors); about %s per rank "
                       "of gradients and AdamW state not allocated", f.trainable / 1e6, f.frozen / 1e6,
@@ -317,7 +320,7 @@ class Trainer:
         self.evaluate()
         if self.resumed:
             _log.info("resumed from step %d of %s: val loss %.4f (saved: val %s, train %s)",
-                      self.start_step, self.config.out, self.val_loss, self.saved_extra.get("val_loss"),
+                      self.start_step, self.config.run.out, self.val_loss, self.saved_extra.get("val_loss"),
                       self.saved_extra.get("train_loss"))
         progress.validation(self.step, self.val_loss, resumed=self.resumed,
                             world_size=self.world_size)
@@ -336,19 +339,20 @@ class Trainer:
 
     def _run_steps(self, progress: report.Progress) -> bool:
         """Steps until `steps` or a stop request; returns True if stopped early."""
-        c = self.config
+        steps, every = self.config.training.steps, self.config.eval.eval_every
+        save_every = self.config.checkpoint.save_every
         if self._stop_agreed():
             _log.info("interrupted before the first step of this run (step %d)", self.step)
             return True
-        while self.step < c.steps:
+        while self.step < steps:
             record, stop = self.train_step()
             progress.step(record, self.memory)
             if stop:
                 _log.info("interrupted: saving a checkpoint at step %d", self.step)
                 return True
-            if self.step % c.eval_every == 0 or self.step == c.steps:
+            if self.step % every == 0 or self.step == steps:
                 progress.validation(self.step, self.evaluate())
-            if self.step % c.save_every == 0 and self.step < c.steps:
+            if self.step % save_every == 0 and self.step < steps:
                 self.save()
         return False
 
@@ -375,7 +379,7 @@ class Trainer:
         signum = self.stop.signum or signal.SIGTERM
         if self.last_saved == self.step:
             if self.rank == 0:
-                record_stop(self.config.out, self.step, run_id(), signal.Signals(signum).name)
+                record_stop(self.config.run.out, self.step, run_id(), signal.Signals(signum).name)
             dist.barrier()  # no rank exits (and has the agent stop the others) before the record
         if self.rank == 0 and self.step > self.start_step:
             self._write_reports(wall_s, interrupted=f"{signal.Signals(signum).name} at step {self.step}")
@@ -393,17 +397,17 @@ class Trainer:
 
     def _finish(self, wall_s: float) -> None:
         """Samples (all ranks), then on rank 0 the summary, loss plot and samples files."""
-        samples = self.sample() if self.config.sample_tokens > 0 else []
+        samples = self.sample() if self.config.eval.sample_tokens > 0 else []
         if self.rank != 0:
             return
         self._write_reports(wall_s)
         if samples:
-            print(report.write_samples(self.config.out, self.config.prompt, samples), flush=True)
+            print(report.write_samples(self.config.run.out, self.config.eval.prompt, samples), flush=True)
 
     def _write_reports(self, wall_s: float, interrupted: str | None = None) -> None:
         """Rank 0: summary.json and its table on stdout, and loss.png (`interrupted`: the signal
         and step of an early stop, shown in the summary)."""
-        out = self.config.out
+        out = self.config.run.out
         timed = self.step_times[1:] or self.step_times  # the first step includes warm-up costs
         summary = {
             "params": self.model_config.num_params(), "world_size": self.world_size,
@@ -417,7 +421,7 @@ class Trainer:
             "interrupted": interrupted,
             **({"trainable_params": self.frozen.trainable, "frozen_params": self.frozen.frozen,
                 "frozen_saved_bytes_per_rank": self.frozen.saved_bytes_per_rank(self.world_size)}
-               if self.config.freeze else {}),
+               if self.config.model.freeze else {}),
         }
         print(report.write_summary(out, summary), flush=True)
         report.plot_losses(out, self.unigram)
@@ -435,12 +439,13 @@ def run_worker(config: TrainConfig, corpus: Corpus | None = None,
             `flashfsdp-train`'s own launcher holds it for its workers). Held elsewhere: every
             rank returns 2, rank 0 naming the holder.
     """
-    rank, world_size, device = init_distributed(config.device, config.timeout)
+    rank, world_size, device = init_distributed(config.run.device, config.run.timeout)
     stop = StopFlag()
     config, resume_from = agree_run_dir(config, resume_from)
     if corpus is None:
-        corpus = load_corpus(config.data, seed=config.seed, tokenizer=load_tokenizer(config.tokenizer))
-    lock = hold_on_rank0(config.out, rank) if hold_lock else None
+        corpus = load_corpus(config.data.path, seed=config.training.seed,
+                             tokenizer=load_tokenizer(config.data.tokenizer))
+    lock = hold_on_rank0(config.run.out, rank) if hold_lock else None
     try:
         if lock is not None and not lock.held:
             return 2

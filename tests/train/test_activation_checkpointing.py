@@ -63,7 +63,7 @@ def test_the_memory_check_counts_one_block_of_activations_when_checkpointed(tmp_
     args = ["--preset", "small", "--device", "cpu", "--out", str(tmp_path)]
     plain = TrainConfig.from_argv(args)
     checkpointed = TrainConfig.from_argv(args + ["--activation-checkpointing"])
-    cfg, tokens = plain.model, plain.batch_size // 2 * plain.model.max_seq_len  # W = 2, 4-byte fp32
+    cfg, tokens = plain.llama, plain.training.batch_size // 2 * plain.llama.max_seq_len  # W = 2, 4-byte fp32
     per_layer = tokens * cfg.dim * ELEMENTS * 4
     saved = (cfg.n_layers - 1) * per_layer - tokens * cfg.n_layers * cfg.dim * 4
     assert rank_bytes_needed(plain, 2) - rank_bytes_needed(checkpointed, 2) == saved > 0

@@ -14,8 +14,10 @@ TINY = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq-len", "16", "--ba
 
 
 def test_flag_parses(tmp_path):
-    assert TrainConfig.from_argv([*TINY, "--out", str(tmp_path)]).all_gather_dtype is None
-    assert TrainConfig.from_argv([*TINY, "--all-gather-dtype", "int8", "--out", str(tmp_path)]).all_gather_dtype == "int8"
+    plain = TrainConfig.from_argv([*TINY, "--out", str(tmp_path)])
+    int8 = TrainConfig.from_argv([*TINY, "--all-gather-dtype", "int8", "--out", str(tmp_path)])
+    assert plain.sharding.all_gather_dtype is None and plain.precision.policy.all_gather_dtype is None
+    assert int8.sharding.all_gather_dtype == "int8" and int8.precision.policy.all_gather_dtype == torch.int8
 
 
 def test_other_values_are_refused(tmp_path, capsys):

@@ -40,8 +40,8 @@ def test_compiled_blocks_train_to_the_eager_losses(tmp_path):
 
 
 def test_the_flag_defaults_off(tmp_path):
-    assert TrainConfig.from_argv(["--out", str(tmp_path)]).compile is False
-    assert TrainConfig.from_argv(["--out", str(tmp_path), "--compile"]).compile is True
+    assert TrainConfig.from_argv(["--out", str(tmp_path)]).training.compile is False
+    assert TrainConfig.from_argv(["--out", str(tmp_path), "--compile"]).training.compile is True
 
 
 def test_the_compile_check_passes_where_torch_compile_works():

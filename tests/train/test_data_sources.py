@@ -47,7 +47,7 @@ def test_tokenizer_json_encodes_the_corpus_and_sets_the_vocabulary(tmp_path, tok
     assert tok.decode(corpus.val.tolist()) == bytes(as_bytes.val.tolist()).decode()  # same split
     assert int(corpus.train.max()) < tok.vocab_size
     config = TrainConfig.from_argv(["--tokenizer", tokenizer_json, "--out", str(tmp_path / "run")])
-    assert config.model.vocab_size == tok.vocab_size and config.tokenizer == tokenizer_json
+    assert config.llama.vocab_size == tok.vocab_size and config.data.tokenizer == tokenizer_json
 
 
 def test_a_bad_tokenizer_file_is_named(tmp_path):

@@ -19,8 +19,11 @@ from flashfsdp.train.checkpoints import save_checkpoint  # noqa: E402
 from flashfsdp.train.config import TrainConfig  # noqa: E402
 from flashfsdp.train.export import hf_config, main, to_hf_state_dict  # noqa: E402
 from flashfsdp.train.hf_tokenizer import run_tokenizer  # noqa: E402
+from flashfsdp.train.precision import Precision  # noqa: E402
+from flashfsdp.train.sharding import build_sharded_model  # noqa: E402
 from flashfsdp.train.tokenizer import ByteTokenizer, FileTokenizer  # noqa: E402
-from flashfsdp.train.sharding import build_sharded_model, mixed_precision  # noqa: E402
+
+FP32 = Precision.from_names("fp32", "fp32").policy
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -34,7 +37,7 @@ def _job_run(out) -> torch.nn.Module:
     saved by the job's checkpoint code at steps 1 and 2); returns the model."""
     config = TrainConfig.from_argv(["--preset", "tiny", "--layers", "2", "--seq-len", "32", "--out", str(out)])
     config.save()
-    model, _ = build_sharded_model(config.model, torch.device("cpu"), mixed_precision("fp32", "fp32"), seed=0)
+    model, _ = build_sharded_model(config.llama, torch.device("cpu"), FP32, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in (1, 2):
         tokens = _tokens(256, 33)

@@ -16,7 +16,8 @@ TINY = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq-len", "16", "--ba
 @pytest.mark.parametrize("given, param_dtype", [("float16", "fp16"), ("fp16", "fp16"), ("bfloat16", "bf16")])
 def test_torch_dtype_names_are_accepted(tmp_path, given, param_dtype):
     config = TrainConfig.from_argv(["--param-dtype", given, "--reduce-dtype", "half", "--out", str(tmp_path)])
-    assert config.param_dtype == param_dtype and config.reduce_dtype == "fp16"
+    assert config.sharding.param_dtype == param_dtype and config.sharding.reduce_dtype == "fp16"
+    assert config.precision.loss_scaling
 
 
 def test_unknown_dtype_is_refused(tmp_path, capsys):

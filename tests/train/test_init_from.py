@@ -19,9 +19,12 @@ from flashfsdp.train.config import TrainConfig, UsageError  # noqa: E402
 from flashfsdp.train.export import hf_config, main as export_main, to_hf_state_dict  # noqa: E402
 from flashfsdp.train.freezing import check_freeze, freeze  # noqa: E402
 from flashfsdp.train.hf_config import llama_config  # noqa: E402
+from flashfsdp.train.precision import Precision  # noqa: E402
 from flashfsdp.train.pretrained import load_pretrained, weight_files  # noqa: E402
-from flashfsdp.train.sharding import build_sharded_model, mixed_precision  # noqa: E402
+from flashfsdp.train.sharding import build_sharded_model  # noqa: E402
 from tests.train.trainers import corpus_text  # noqa: E402
+
+FP32 = Precision.from_names("fp32", "fp32").policy
 
 LAYERS = 4
 FROZEN = "layers.[01].*"  # half the blocks
@@ -56,7 +59,7 @@ def test_init_from_then_export_round_trips_bit_for_bit(pretrained):
     import transformers  # noqa: PLC0415
 
     config = llama_config(str(pretrained))
-    model, _ = build_sharded_model(config, torch.device("cpu"), mixed_precision("fp32", "fp32"), seed=None)
+    model, _ = build_sharded_model(config, torch.device("cpu"), FP32, seed=None)
     assert load_pretrained(model, str(pretrained), config) == sum(t.numel() for t in _weights(pretrained).values())
     back = to_hf_state_dict(get_full_state_dict(model), config)
     original = _weights(pretrained)
@@ -107,7 +110,7 @@ def test_freeze_leaves_frozen_parameters_out_of_the_optimizer(pretrained):
     from flashfsdp.train.trainer import build_optimizer  # noqa: PLC0415
 
     config = llama_config(str(pretrained))
-    model, vectors = build_sharded_model(config, torch.device("cpu"), mixed_precision("fp32", "fp32"), seed=0)
+    model, vectors = build_sharded_model(config, torch.device("cpu"), FP32, seed=0)
     summary = freeze(model, ["*embed*", "model.layers.3.mlp.*"], config)
     assert set(summary.frozen_tensors) == {"tok_embeddings.weight", "layers.3.feed_forward.w1.weight",
                                            "layers.3.feed_forward.w2.weight", "layers.3.feed_forward.w3.weight"}
@@ -151,9 +154,10 @@ def test_bad_init_from_folders_are_one_clear_error(pretrained, tmp_path):
 
 def test_init_from_takes_the_folders_shape_and_tokenizer(pretrained, tmp_path):
     config = TrainConfig.from_argv(["--init-from", str(pretrained), "--seq-len", "8", "--out", str(tmp_path / "o")])
-    assert config.tokenizer == str(pretrained / "tokenizer.json")
-    assert (config.model.n_layers, config.model.dim, config.model.kv_heads, config.model.max_seq_len) == (LAYERS, 32, 2, 8)
-    assert not config.model.tie_embeddings
+    assert config.data.tokenizer == str(pretrained / "tokenizer.json")
+    model = config.llama
+    assert (model.n_layers, model.dim, model.kv_heads, model.max_seq_len) == (LAYERS, 32, 2, 8)
+    assert not model.tie_embeddings
 
 
 def _copy_with(pretrained, tmp_path, name: str, **changes) -> str:
@@ -182,12 +186,12 @@ def test_configs_the_model_cannot_compute_exactly_are_refused(pretrained, tmp_pa
 def test_weights_that_do_not_fit_the_config_are_named(pretrained, tmp_path):
     wider = _copy_with(pretrained, tmp_path, "wider", intermediate_size=96)
     config = llama_config(wider)
-    model, _ = build_sharded_model(config, torch.device("cpu"), mixed_precision("fp32", "fp32"), seed=None)
+    model, _ = build_sharded_model(config, torch.device("cpu"), FP32, seed=None)
     with pytest.raises(UsageError, match=r"layers\.0\.feed_forward\.w1\.weight has shape \(64, 32\), the model of "
                                          r"its config.json has \(96, 32\)"):
         load_pretrained(model, wider, config)
     deeper = _copy_with(pretrained, tmp_path, "deeper", num_hidden_layers=LAYERS + 1)
     config = llama_config(deeper)
-    model, _ = build_sharded_model(config, torch.device("cpu"), mixed_precision("fp32", "fp32"), seed=None)
+    model, _ = build_sharded_model(config, torch.device("cpu"), FP32, seed=None)
     with pytest.raises(UsageError, match=f"the weights have no model.layers.{LAYERS}.input_layernorm.weight"):
         load_pretrained(model, deeper, config)

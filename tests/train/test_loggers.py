@@ -50,8 +50,8 @@ def test_wandb_asked_for_and_not_installed_is_one_line(tmp_path, capsys, monkeyp
 
 def test_tensorboard_is_opt_in(tmp_path):
     config = TrainConfig.from_argv(["--out", str(tmp_path)])
-    assert not config.tensorboard and not config.wandb
-    assert TrainConfig.from_argv(["--out", str(tmp_path), "--tensorboard"]).tensorboard
+    assert not config.logging.tensorboard and not config.logging.wandb
+    assert TrainConfig.from_argv(["--out", str(tmp_path), "--tensorboard"]).logging.tensorboard
 
 
 def test_wandb_offline_run_gets_the_records(tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from flashfsdp.models import Llama, LlamaConfig
-from flashfsdp.train.sharding import build_sharded_model, mixed_precision
+from flashfsdp.train.precision import Precision
+from flashfsdp.train.sharding import build_sharded_model
 from tests.harness import run_distributed
 from tests.training import gather_full_params
 
@@ -25,7 +26,7 @@ def _tokens() -> torch.Tensor:
 
 
 def _meta_built(rank: int, world_size: int) -> dict:
-    model, vectors = build_sharded_model(CFG, torch.device("cpu"), mixed_precision("fp32", "fp32"), SEED)
+    model, vectors = build_sharded_model(CFG, torch.device("cpu"), Precision.from_names("fp32", "fp32").policy, SEED)
     params = gather_full_params(model)  # the values init_weights left (reading them ends the init window)
     with torch.no_grad():
         logits = model(_tokens())
@@ -51,6 +52,8 @@ def test_meta_build_gives_the_unsharded_init(world_size):
         torch.testing.assert_close(got["logits"], expected_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_mixed_precision_rejects_unknown_dtype_names():
+def test_precision_rejects_unknown_dtype_names():
     with pytest.raises(ValueError, match="param_dtype must be one of"):
-        mixed_precision("fp8", "fp32")
+        Precision.from_names("fp8", "fp32")
+    with pytest.raises(ValueError, match="all_gather_dtype must be one of"):
+        Precision.from_names("bf16", "fp32", "fp8")

@@ -19,8 +19,8 @@ from flashfsdp.train.config import DEFAULT_TIMEOUT_S, TrainConfig, UsageError
 
 def test_timeout_defaults_to_600_seconds_and_takes_a_number(tmp_path):
     assert DEFAULT_TIMEOUT_S == 600
-    assert TrainConfig.from_argv(["--out", str(tmp_path)]).timeout == 600
-    assert TrainConfig.from_argv(["--out", str(tmp_path), "--timeout", "2.5"]).timeout == 2.5
+    assert TrainConfig.from_argv(["--out", str(tmp_path)]).run.timeout == 600
+    assert TrainConfig.from_argv(["--out", str(tmp_path), "--timeout", "2.5"]).run.timeout == 2.5
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])

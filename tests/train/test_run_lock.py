@@ -47,8 +47,8 @@ def test_a_second_job_into_a_running_jobs_out_exits_2_naming_the_holder(tmp_path
     run = json.loads((out / "run.json").read_text())
     (record,) = run["resumptions"]
     assert record["step"] == last and record["world_size"] == 1
-    assert record["changed"]["steps"] == [1000, last + 1] and record["changed"]["nproc"] == [2, 1]
-    assert run["steps"] == last + 1 and not (out / "stopped.json").exists()
+    assert record["changed"]["training.steps"] == [1000, last + 1] and record["changed"]["run.nproc"] == [2, 1]
+    assert run["training"]["steps"] == last + 1 and not (out / "stopped.json").exists()
 
 
 def test_a_dead_holders_lock_is_taken_over_with_a_message(tmp_path, caplog):

@@ -148,10 +148,10 @@ def _agree(rank: int, world_size: int, tmp: str) -> tuple:
     config = TrainConfig.from_argv(["--out", os.path.join(tmp, f"rank{rank}")])
     agreed, resume_from = launch.agree_run_dir(config, None)
     try:
-        launch.agree_run_dir(config, os.path.join(config.out, "checkpoints", f"step_{rank}"))
+        launch.agree_run_dir(config, os.path.join(config.run.out, "checkpoints", f"step_{rank}"))
     except RuntimeError as err:
-        return agreed.out, resume_from, str(err)
-    return agreed.out, resume_from, None
+        return agreed.run.out, resume_from, str(err)
+    return agreed.run.out, resume_from, None
 
 
 def test_ranks_take_rank_0s_run_directory_and_must_resume_the_same_checkpoint(tmp_path):

@@ -24,5 +24,5 @@ def make_trainer(argv: list[str], resume_from: str | None = None):
 
     config = TrainConfig.from_argv([*TINY, *argv] + (["--resume"] if resume_from else []), warn=False)
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    corpus = load_corpus(config.data, seed=config.seed, tokenizer=load_tokenizer(config.tokenizer))
+    corpus = load_corpus(config.data.path, seed=config.training.seed, tokenizer=load_tokenizer(config.data.tokenizer))
     return Trainer(config, corpus, rank, world_size, torch.device("cpu"), resume_from=resume_from)
