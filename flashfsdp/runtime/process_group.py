@@ -24,6 +24,13 @@ therefore issues the very same steps itself (:class:`_AllReduceChunk`): the same
 asynchronous all-reduce (whose gloo work has a future), the same copy at ``wait()``. The cost is
 unchanged; the completion becomes measurable: it is the all-reduce's, and the chunk copy that
 follows at ``wait()`` runs on the waiting thread as host work (``S`` elements), not communication.
+
+[Note: flight recorder]
+Every collective issued here takes an entry of the flight recorder (``flight.py``: kind, group,
+bytes; the unit when ``Work.set_unit`` names it) that its ``wait()`` marks waiting, then completed.
+A collective whose issue or wait raises (gloo's timeout, a peer's closed connection) raises
+``divergence.CollectiveFailure`` instead, naming where every reachable rank is (the backend's
+error is its cause).
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import divergence, flight
 from .communicator import Communicator, ReduceOpName, Work, check_collective_sizes, check_reduce_op
+from .flight_report import collective
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
@@ -42,16 +51,38 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _TorchWork(Work):
-    """Wraps a torch.distributed work handle (``wait()`` syncs the current stream on CUDA)."""
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
-    def __init__(self, work: dist.Work | None):
+
+def _failure(exc: BaseException, entry) -> divergence.CollectiveFailure:
+    """The diagnosed error of a collective whose issue or wait raised ``exc`` (see the Note)."""
+    what = collective(entry.as_dict()) if entry is not None else "a collective"
+    return divergence.failure(exc, entry, what)
+
+
+class _TorchWork(Work):
+    """Wraps a torch.distributed work handle (``wait()`` syncs the current stream on CUDA) and its
+    flight-recorder entry (see [Note: flight recorder])."""
+
+    def __init__(self, work: dist.Work | None, entry=None):
         self._work = work
+        self._entry = entry
         self._completed_at: float | None = None
+
+    def set_unit(self, unit: str) -> None:
+        if self._entry is not None:
+            self._entry.unit = unit
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            entry = self._entry
+            flight.waiting(entry)
+            try:
+                self._work.wait()
+            except Exception as exc:  # noqa: BLE001 - a timeout, a dead peer: diagnosed
+                raise _failure(exc, entry) from exc
+            flight.completed(entry)
             self._work = None
 
     def is_completed(self) -> bool:
@@ -94,12 +125,22 @@ class ProcessGroupCommunicator(Communicator):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.backend = dist.get_backend(self.group)
+        self.ranks = tuple(dist.get_process_group_ranks(self.group))  # for the flight recorder
         # gloo has no AVG for every collective on every release: emulate it with SUM then divide.
         self._native_avg = self.backend == "nccl"
 
+    def _issue(self, kind: str, nbytes: int, call, *args, **kwargs):
+        """(torch's work handle of ``call(*args, **kwargs)``, its flight entry); a failure to issue
+        is diagnosed (see [Note: flight recorder])."""
+        entry = flight.record(kind, self.ranks, nbytes)
+        try:
+            return call(*args, group=self.group, async_op=True, **kwargs), entry
+        except Exception as exc:  # noqa: BLE001 - a dead peer, a broken group: diagnosed
+            raise _failure(exc, entry) from exc
+
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         check_collective_sizes("all_gather_into_tensor", out, inp, self.world_size)
-        return _TorchWork(all_gather_single(out, inp, group=self.group, async_op=True))
+        return _TorchWork(*self._issue("all_gather", _nbytes(inp), all_gather_single, out, inp))
 
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)
@@ -107,21 +148,23 @@ class ProcessGroupCommunicator(Communicator):
         if self.backend == "gloo":  # see the Note: gloo reduce-scatter
             buffer = inp.clone()
             reduce_op = _OPS["sum"] if op == "avg" else _OPS[op]
-            return _AllReduceChunk(dist.all_reduce(buffer, op=reduce_op, group=self.group, async_op=True),
-                                   buffer, out, self.rank, self.world_size if op == "avg" else 1)
+            work, entry = self._issue("reduce_scatter", _nbytes(inp), dist.all_reduce, buffer, op=reduce_op)
+            return _AllReduceChunk(work, buffer, out, self.rank, self.world_size if op == "avg" else 1, entry)
         if op == "avg" and not self._native_avg:
-            return _DivideAfter(reduce_scatter_single(out, inp, op=_OPS["sum"], group=self.group, async_op=True), out, self.world_size)
-        return _TorchWork(reduce_scatter_single(out, inp, op=_OPS[op], group=self.group, async_op=True))
+            work, entry = self._issue("reduce_scatter", _nbytes(inp), reduce_scatter_single, out, inp, op=_OPS["sum"])
+            return _DivideAfter(work, out, self.world_size, entry)
+        return _TorchWork(*self._issue("reduce_scatter", _nbytes(inp), reduce_scatter_single, out, inp, op=_OPS[op]))
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)
         if op == "avg" and not self._native_avg:
-            return _DivideAfter(dist.all_reduce(tensor, op=_OPS["sum"], group=self.group, async_op=True), tensor, self.world_size)
-        return _TorchWork(dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True))
+            work, entry = self._issue("all_reduce", _nbytes(tensor), dist.all_reduce, tensor, op=_OPS["sum"])
+            return _DivideAfter(work, tensor, self.world_size, entry)
+        return _TorchWork(*self._issue("all_reduce", _nbytes(tensor), dist.all_reduce, tensor, op=_OPS[op]))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         global_src = dist.get_global_rank(self.group, src) if self.group is not dist.group.WORLD else src
-        return _TorchWork(dist.broadcast(tensor, src=global_src, group=self.group, async_op=True))
+        return _TorchWork(*self._issue("broadcast", _nbytes(tensor), dist.broadcast, tensor, src=global_src))
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -133,8 +176,8 @@ class _AllReduceChunk(_TorchWork):
     unless it is 1 (see the Note: gloo reduce-scatter). After ``wait()`` it holds no tensor: the
     handle may outlive the step (a profile records it), the gradient shard must not."""
 
-    def __init__(self, work: dist.Work, buffer: torch.Tensor, out: torch.Tensor, rank: int, divisor: int):
-        super().__init__(work)
+    def __init__(self, work: dist.Work, buffer: torch.Tensor, out: torch.Tensor, rank: int, divisor: int, entry=None):
+        super().__init__(work, entry)
         self._buffer, self._out, self._rank, self._divisor = buffer, out, rank, divisor
 
     def wait(self) -> None:
@@ -150,8 +193,8 @@ class _AllReduceChunk(_TorchWork):
 class _DivideAfter(_TorchWork):
     """A SUM collective whose ``wait()`` then divides the result by W (AVG emulation)."""
 
-    def __init__(self, work: dist.Work, result: torch.Tensor, world_size: int):
-        super().__init__(work)
+    def __init__(self, work: dist.Work, result: torch.Tensor, world_size: int, entry=None):
+        super().__init__(work, entry)
         self._result = result
         self._world_size = world_size
 

@@ -62,6 +62,7 @@ import torch
 
 from flashfsdp._torch_private import profiler_enabled
 
+from . import flight
 from .intervals import union_shares
 
 COMM_KINDS = ("all_gather", "reduce_scatter")
@@ -96,16 +97,22 @@ def labelled(kind: str, unit_name: Callable[[object], str] = _unit_name_of) -> C
         unit_name: the unit's name from the method's ``self``; default ``self.unit.name`` (an
             object holding a ``ShardedUnit`` as ``.unit``, such as the bindings' ``FSDPState``).
 
-    With no torch profiler running the method is called directly after one check.
+    With no torch profiler running the method is called directly after one check. Either way the
+    flight recorder is told which hook runs (``flight.enter_hook``: the phase and step of the
+    collectives the hook issues).
     """
 
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
-            if not torch_profiler_enabled():  # no name to format
-                return method(self, *args, **kwargs)
-            with label(kind, unit_name(self)):
-                return method(self, *args, **kwargs)
+            saved = flight.enter_hook(kind, self, unit_name(self))
+            try:
+                if not torch_profiler_enabled():  # no name to format
+                    return method(self, *args, **kwargs)
+                with label(kind, unit_name(self)):
+                    return method(self, *args, **kwargs)
+            finally:
+                flight.exit_hook(saved)
 
         return wrapper
 

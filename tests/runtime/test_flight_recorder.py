@@ -1,0 +1,189 @@
+"""The flight recorder: its ring, what the hooks and operations tell it, the reports' diagnosis, the
+dumps (on demand and on SIGTERM) and ``python -m flashfsdp.debug``.
+
+The W = 2 diagnoses of real disagreements are in ``tests/bindings/test_disagreement.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.distributed import single_process_group
+from flashfsdp.debug import diagnose, find_dumps
+from flashfsdp.debug.__main__ import main as debug_main
+from flashfsdp.runtime import flight, flight_dump
+from flashfsdp.runtime.flight_report import describe, first_divergence, position_of
+
+
+@pytest.fixture(autouse=True)
+def fresh_recorder():
+    flight.configure(16)
+    yield
+    flight.configure()
+
+
+class _Owner:
+    """A unit's hook owner: ``parent`` None makes it a root."""
+
+    def __init__(self, parent=None):
+        self.parent = parent
+
+
+def test_the_ring_keeps_the_last_entries_and_their_states():
+    for i in range(20):
+        entry = flight.record("all_gather", (0, 1), 4 * i)
+    assert [e.seq for e in flight.entries()] == list(range(5, 21))
+    flight.waiting(entry)
+    assert flight.position()["waiting"]["seq"] == 20
+    flight.completed(entry)
+    assert entry.state == flight.COMPLETED and flight.position()["waiting"] is None
+
+
+def test_off_records_nothing():
+    flight.configure(0)
+    assert flight.record("all_gather", (0, 1), 4) is None and flight.entries() == []
+
+
+def test_bad_size_from_the_environment_is_refused(monkeypatch):
+    monkeypatch.setenv(flight.ENV_ENTRIES, "many")
+    with pytest.raises(ValueError, match="FLASHFSDP_FLIGHT_RECORDER='many'"):
+        flight._entries_from_env()
+
+
+def test_hooks_set_phase_unit_and_the_root_counts_steps():
+    root = _Owner()
+    saved = flight.enter_hook("pre_forward", root, "<root>")
+    inner = flight.enter_hook("pre_forward", _Owner(parent=root), "layers.0")
+    entry = flight.record("all_gather", (0, 1), 8)
+    flight.exit_hook(inner)
+    flight.exit_hook(saved)
+    assert (entry.phase, entry.step, flight.position()["unit"]) == ("forward", 1, "layers.0")
+    flight.exit_hook(flight.enter_hook("pre_backward", root, "<root>"))
+    flight.exit_hook(flight.enter_hook("pre_forward", root, "<root>"))
+    assert flight.step() == 2
+    assert flight.record("all_reduce", (0, 1), 4).phase == flight.OUTSIDE
+
+
+def test_an_operation_names_its_collectives_on_its_thread():
+    with flight.operation("checkpoint.save"):
+        entry = flight.record("control", (0, 1), 10, unit="checkpoint.save")
+        assert flight.current_operation() == "checkpoint.save"
+    assert entry.phase == "checkpoint.save" and flight.current_operation() is None
+
+
+def test_a_backward_outside_the_hooks_is_backward():
+    phases = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: phases.append(flight.current_phase()))
+    y.sum().backward()
+    assert phases == ["backward"]
+
+
+def _entry(seq, kind, unit, phase, step, state="completed"):
+    return {"seq": seq, "kind": kind, "group": [0, 1], "unit": unit, "phase": phase, "step": step, "nbytes": 64,
+            "state": state, "issued_at": 0.0, "ended_at": None}
+
+
+def _report(rank, entries, waiting=None, phase="forward", unit="layers.0", step=5):
+    return {"rank": rank, "world_size": 2, "reason": "timeout", "error": "RuntimeError: Timed out",
+            "position": {"step": step, "phase": phase, "unit": unit, "last_seq": entries[-1]["seq"] if entries else 0,
+                         "waiting": waiting}, "entries": entries}
+
+
+def _two_ranks():
+    common = [_entry(s, "all_gather", "layers.0", "forward", 5) for s in range(400, 405)]
+    rank0 = common + [_entry(405, "reduce_scatter", "layers.3", "backward", 5, "waiting")]
+    rank1 = common + [_entry(405, "all_gather", "layers.0", "forward", 6, "waiting")]
+    return [_report(0, rank0, rank0[-1]), _report(1, rank1, rank1[-1], step=6)]
+
+
+def test_positions_and_the_first_divergence_in_words():
+    reports = _two_ranks()
+    assert position_of(reports[0]) == "rank 0 waits in the reduce-scatter of 'layers.3' (backward, step 5, seq 405)"
+    assert position_of(reports[1]) == "rank 1 waits in the all-gather of 'layers.0' (forward, step 6, seq 405)"
+    assert first_divergence(reports) == ("the ranks diverged at seq 405: rank 0 issued the reduce-scatter of "
+                                         "'layers.3' (backward, step 5) where rank 1 issued the all-gather of "
+                                         "'layers.0' (forward, step 6)")
+
+
+def test_a_rank_past_its_last_collective_and_a_silent_rank():
+    entries = [_entry(7, "reduce_scatter", "layers.1", "backward", 3)]
+    report = _report(1, entries, phase="backward", unit="layers.1", step=3)
+    assert position_of(report) == ("rank 1 is in backward of 'layers.1' at step 3 (its last collective: the "
+                                   "reduce-scatter of 'layers.1', backward, step 3, seq 7, completed)")
+    text = describe([report], missing=[0], grace_s=5)
+    assert "rank 0 sent no report within 5 s" in text
+
+
+def test_one_rank_issued_more_than_the_other():
+    entries = [_entry(s, "all_gather", "a", "forward", 1) for s in (1, 2)]
+    reports = [_report(0, entries), _report(1, entries[:1])]
+    assert first_divergence(reports) == ("the ranks diverged at seq 2: rank 0 issued the all-gather of 'a' "
+                                         "(forward, step 1) and rank 1 issued nothing after seq 1")
+
+
+def test_dumps_are_read_back_by_the_command_line(tmp_path, capsys):
+    for report in _two_ranks():
+        (tmp_path / "flight").mkdir(exist_ok=True)
+        (tmp_path / "flight" / f"flight_rank{report['rank']}.json").write_text(json.dumps(report))
+    assert len(find_dumps(tmp_path)) == 2
+    assert "the ranks diverged at seq 405" in diagnose(tmp_path)
+    assert debug_main([str(tmp_path), "--entries", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 waits in the reduce-scatter of 'layers.3'" in out and "seq    405" in out
+
+
+def test_the_command_line_without_dumps(tmp_path, capsys):
+    assert debug_main([str(tmp_path)]) == 2
+    assert "no flight recorder dump" in capsys.readouterr().err
+
+
+def test_dump_writes_this_ranks_ring(tmp_path, monkeypatch):
+    monkeypatch.setenv(flight_dump.ENV_DIR, str(tmp_path))
+    flight.record("broadcast", (0,), 4)
+    path = flight_dump.dump("on demand")
+    content = json.loads(open(path).read())
+    assert os.path.basename(path) == "flight_rank0.json" and content["reason"] == "on demand"
+    assert [e["kind"] for e in content["entries"]] == ["broadcast"]
+
+
+def test_set_trace_dir_puts_dumps_in_the_run_directory(tmp_path):
+    flight_dump.set_trace_dir(tmp_path, signals=False)
+    try:
+        assert flight_dump.trace_dir() == os.path.join(str(tmp_path), "flight")
+    finally:
+        flight_dump.set_trace_dir(None)
+    with pytest.raises(TypeError, match="set_trace_dir: path must be"):
+        flight_dump.set_trace_dir(3)
+
+
+def test_sigterm_dumps_then_ends_the_process(tmp_path):
+    code = ("import os, signal, time; from flashfsdp.debug import set_trace_dir; "
+            f"set_trace_dir({str(tmp_path)!r}); os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM
+    content = json.loads((tmp_path / "flight" / "flight_rank0.json").read_text())
+    assert content["reason"] == "signal SIGTERM"
+
+
+def test_the_process_group_communicator_records_its_collectives():
+    from flashfsdp.runtime.process_group import ProcessGroupCommunicator  # noqa: PLC0415
+
+    with single_process_group():
+        comm = ProcessGroupCommunicator()
+        out = torch.zeros(4)
+        work = comm.all_gather_into_tensor(out, torch.ones(4))
+        work.set_unit("layers.7")
+        work.wait()
+        comm.all_reduce(torch.ones(3)).wait()
+    first, second = flight.entries()[-2:]
+    assert (first.kind, first.unit, first.nbytes, first.state) == ("all_gather", "layers.7", 16, flight.COMPLETED)
+    assert (second.kind, second.nbytes, second.group) == ("all_reduce", 12, (0,))
