@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import wrap as policies
+from torch.distributed.tensor import DTensor
 
 from tests.fsdp1_suite.common import FSDP, Block, api, batch, make_net, wrap
 from tests.fsdp2_suite.runner import CaseSet
@@ -117,9 +118,11 @@ def state_dict_types_it_cannot_give(rank, world_size, impl):
         cls.set_state_dict_type(fsdp_model, sd_type.LOCAL_STATE_DICT)
     with pytest.raises(TypeError, match="takes a FullStateDictConfig, got ShardedStateDictConfig"):
         cls.set_state_dict_type(fsdp_model, sd_type.FULL_STATE_DICT, api(impl).ShardedStateDictConfig())
-    with pytest.raises(NotImplementedError, match="_use_dtensor=True"):
-        cls.set_state_dict_type(fsdp_model, sd_type.SHARDED_STATE_DICT,
-                                api(impl).ShardedStateDictConfig(_use_dtensor=True))
+    # _use_dtensor=True is what SHARDED_STATE_DICT gives anyway now (DTensor values), so it is taken
+    cls.set_state_dict_type(fsdp_model, sd_type.SHARDED_STATE_DICT, api(impl).ShardedStateDictConfig(_use_dtensor=True))
+    params = dict(fsdp_model.named_parameters())
+    values = {k: v for k, v in fsdp_model.state_dict().items() if k in {n.replace("_fsdp_wrapped_module.", "") for n in params}}
+    assert values and all(type(v) is DTensor for v in values.values()), {k: type(v) for k, v in values.items()}
     return {}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
 
 from tests.fsdp1_suite.common import Block, api, make_net, replicate, train_against_reference, wrap
 from tests.fsdp2_suite.runner import CaseSet
@@ -21,7 +22,8 @@ def _train(rank, world_size, impl, **kwargs):
     model = make_net()
     ref = replicate(model)
     fsdp_model = wrap(impl, model, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs)
-    shard_numel = sum(p.numel() for p in fsdp_model.parameters())
+    # what this rank holds: a DTensor parameter's local chunk (FSDP1's flat parameters are local)
+    shard_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in fsdp_model.parameters())
     assert shard_numel < sum(p.numel() for p in ref.parameters())  # sharded (over 2 ranks), not replicated
     losses, _, params = train_against_reference(rank, world_size, impl, model, fsdp_model, ref, steps=2)
     return {"losses": losses, "params": params}

@@ -3,7 +3,7 @@
 ``offload_to_cpu``) and SHARDED_STATE_DICT through ``torch.distributed.checkpoint``, loading
 into a freshly wrapped model, ``optim_state_dict`` / ``optim_state_dict_to_load``, NO_SHARD's
 full state dict and ``buffer_dtype``. Full state dicts are compared with torch's FSDP1's (keys,
-order, values); sharded ones (torch: ShardedTensor, flashfsdp: ShardedPiece) by what they load.
+order, values); sharded ones (torch: ShardedTensor, flashfsdp: DTensor) by what they load.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
 
 from tests.fsdp1_suite.common import FP32, FSDP, Block, api, batch, full_params, make_net, reference_step, wrap
 from tests.fsdp2_suite.runner import CaseSet
@@ -79,7 +80,9 @@ def recurse_false(rank, world_size, impl):
     fsdp_model = _nested(impl)
     with FSDP(impl).summon_full_params(fsdp_model, recurse=False, writeback=False):
         root_shapes = [tuple(p.shape) for p in fsdp_model.module.inp.parameters()]
-        block_numel = sum(p.numel() for p in fsdp_model.module.blocks[0].parameters())
+        # what this rank holds of the block: a DTensor's local chunk (FSDP1's flat parameter is local)
+        block_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                          for p in fsdp_model.module.blocks[0].parameters())
     assert root_shapes == [(16, 8), (16,)], root_shapes
     assert block_numel < sum(p.numel() for p in Block(16).parameters())  # still sharded
     return {}
