@@ -20,6 +20,7 @@ from flashfsdp.kernels.validation import SUPPORTED_DTYPES
 from flashfsdp.runtime.comm_factory import KINDS, default_group, register_siblings
 from flashfsdp.runtime.communicator import Communicator
 from flashfsdp.runtime.sharding_spec import ShardingSpec
+from flashfsdp.runtime.param_tags import tag_of
 from flashfsdp.runtime.step import ReshardAfterForward, resolve_reshard_after_forward  # noqa: F401 - fully_shard's
 
 from .mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -161,11 +162,11 @@ def collect_params(modules: list[nn.Module], ignored: set[int]) -> CollectedPara
 
 
 def _check_param(param: nn.Parameter, fqn: str, top: nn.Module) -> None:
-    unit = getattr(param, "_flashfsdp_unit", None)
-    if unit is not None:  # a sharded piece: its module was wrapped by an enclosing call already
+    tag = tag_of(param)
+    if tag is not None:  # a sharded parameter: its module was wrapped by an enclosing call already
         raise ValueError(
             f"fully_shard: parameter '{fqn}' of {type(top).__name__} already belongs to the unit of an earlier "
-            f"fully_shard call (unit '{unit.name}', where it is '{param._flashfsdp_fqn}'); call fully_shard "
+            f"fully_shard call (unit '{tag.unit.name}', where it is '{tag.fqn}'); call fully_shard "
             f"bottom-up: inner modules first, then their parents"
         )
     taken = getattr(param, "_flashfsdp_taken_by", None)

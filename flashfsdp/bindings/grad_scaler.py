@@ -31,6 +31,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Torc
 
 from flashfsdp._torch_private import refresh_per_optimizer_state
 from flashfsdp.runtime import loss_scale
+from flashfsdp.runtime.sharding_spec import local_of
 
 from .unscale import SCALED, plan_unscale
 
@@ -46,11 +47,22 @@ def _check_arguments(init_scale, backoff_factor, growth_factor, growth_interval)
         raise ValueError(f"ShardedGradScaler: growth_interval must be a positive int, got {growth_interval!r}")
 
 
+class _Local:
+    """A parameter as ``_unscale_grads_`` sees it: its gradient's local tensor (a DTensor
+    gradient's chunk, unscaled in place without DTensor's dispatch, whose inf/nan check would
+    all-reduce the flag once more on its own)."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, param: torch.Tensor):
+        self.grad = None if param.grad is None else local_of(param.grad)
+
+
 class _Params:
     """An optimizer-like view of some parameters (what ``_unscale_grads_`` reads)."""
 
     def __init__(self, params: list[torch.Tensor]):
-        self.param_groups = [{"params": params}]
+        self.param_groups = [{"params": [_Local(p) for p in params]}]
 
 
 def next_scale(scale: float, tracker: int, found_inf: bool, growth_factor: float, backoff_factor: float,
@@ -199,7 +211,7 @@ class ShardedGradScaler(TorchShardedGradScaler):
             # norm cached by the reduction (clip_grad_norm_) is known to be stale.
             for p in params:
                 if not p.grad.is_sparse:
-                    torch.autograd.graph.increment_version(p.grad)
+                    torch.autograd.graph.increment_version(local_of(p.grad))
             for flag in flags.values():
                 found_inf += flag.to(device)
         if plan.flags:

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from flashfsdp._torch_private import DisableTorchFunctionSubclass, pytree
 from flashfsdp.runtime.flat_param import shards_written
+from flashfsdp.runtime.param_tags import group_of, tag_of
 
 MAX_ACTIVE = 3
 
@@ -101,8 +102,8 @@ def _as_dtensors(func, args: tuple, kwargs: dict):
     (their groups' stand-ins copied back first): its collectives must run as DTensor runs them."""
     params = [a for a in (*args, *kwargs.values()) if isinstance(a, ShardedInitParameter)]
     for p in params:
-        if id(p._flashfsdp_group) in _ACTIVE:
-            _deactivate(id(p._flashfsdp_group))
+        if id(group_of(p)) in _ACTIVE:
+            _deactivate(id(group_of(p)))
         p.__class__ = DTensor
     try:
         return func(*args, **kwargs)
@@ -127,7 +128,8 @@ def _full_or_same(a):
 
 def full_view(param: torch.Tensor) -> torch.Tensor:
     """The full-shape stand-in of a sharded parameter inside the init window (activating its group)."""
-    group = param._flashfsdp_group
+    tag = tag_of(param)
+    group = tag.group
     key = id(group)
     if key in _ACTIVE:
         _ACTIVE.move_to_end(key)
@@ -140,7 +142,7 @@ def full_view(param: torch.Tensor) -> torch.Tensor:
             for i, full in enumerate(_full_views(group, flat)):
                 group._chunk_of(full, i).copy_(group.local_view(group.sharded_flat, i))
         _ACTIVE[key] = (group, flat)
-    return _full_views(group, _ACTIVE[key][1])[param._flashfsdp_index]
+    return _full_views(group, _ACTIVE[key][1])[tag.index]
 
 
 def _full_views(group, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -176,7 +178,7 @@ def close_init_windows(pieces: list[torch.Tensor] | None = None) -> None:
             _deactivate(key)
         pieces = [r() for r in _OPEN.values()]
     else:
-        groups = {id(p._flashfsdp_group) for p in pieces if type(p) is ShardedInitParameter}
+        groups = {id(group_of(p)) for p in pieces if type(p) is ShardedInitParameter}
         for key in [k for k in _ACTIVE if k in groups]:
             _deactivate(key)
     for p in pieces:

@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from flashfsdp.runtime.flat_param import shards_written
 from flashfsdp.runtime.sharding_spec import is_dtensor, local_of
+from flashfsdp.runtime.param_tags import tag_of
 
 from .init_window import close_init_windows
 from .state import FSDPState
@@ -168,7 +169,7 @@ def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor
         if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
             return value
         return value.redistribute(param.device_mesh, param.placements)
-    group = param._flashfsdp_group
-    index = param._flashfsdp_index
-    local = group._chunk_of(value.detach(), index).to(device=param.device)
+    tag = tag_of(param)
+    group = tag.group
+    local = group._chunk_of(value.detach(), tag.index).to(device=param.device)
     return group.spec.wrap(local, param.shape)

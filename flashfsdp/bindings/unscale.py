@@ -21,6 +21,7 @@ import torch
 
 from flashfsdp.runtime import loss_scale
 from flashfsdp.runtime.sharding_spec import local_of
+from flashfsdp.runtime.param_tags import group_of
 
 # The key of gradients still multiplied by the loss scale (divided by it as torch does).
 SCALED = "scaled"
@@ -51,9 +52,9 @@ def plan_unscale(params: list[torch.Tensor], scale: float) -> UnscalePlan:
     plan = UnscalePlan()
     by_group: dict[int, tuple[object, list[torch.Tensor]]] = {}
     for p in params:
-        group = getattr(p, "_flashfsdp_group", None)
+        group = group_of(p)
         if group is not None:
-            unit = p._flashfsdp_unit
+            unit = group.unit
             plan.comms.setdefault(id(unit.comm), (unit.comm, unit.device))
         if p.grad is None:
             continue

@@ -20,6 +20,7 @@ import torch.nn as nn
 from flashfsdp.bindings.agreement import global_rank
 from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict
 from flashfsdp.bindings.state_dict import sharded_value_of
+from flashfsdp.runtime.param_tags import group_of
 
 from .api import StateDictType
 from .state_dict_type import clean_key
@@ -110,7 +111,7 @@ def _local(value, param: nn.Parameter, name: str):
     of its own (a loaded ``step`` must not alias the saved optimizer's, which steps it in place)."""
     if not isinstance(value, torch.Tensor):
         return value
-    if value.dim() == 0 or not hasattr(param, "_flashfsdp_group"):
+    if value.dim() == 0 or group_of(param) is None:
         return value.clone()
     sharded = sharded_value_of(value, param, name)
     return sharded.clone() if sharded is value else sharded

@@ -10,7 +10,7 @@ zero, so its values and state stay zero, and nobody reads it).
 
 This module finds the runs from the local tensors themselves (storage, offsets, strides), so
 nothing is assumed that was not checked: a parameter joins a run only if its local tensor is
-contiguous, it carries ``_flashfsdp_index`` (a flashfsdp parameter), its index follows the previous
+contiguous, it is a flashfsdp parameter (``runtime/param_tags.py``), its index follows the previous
 one's, and its gradient lies at the same distance from it as the previous gradient does (one flat
 gradient buffer). Each run also needs its members to be in the same state "age" (steps taken),
 given by the optimizer.
@@ -28,12 +28,10 @@ from typing import Callable, Sequence
 import torch
 
 from flashfsdp.runtime.sharding_spec import local_of
-
-_INDEX = "_flashfsdp_index"  # set on every sharded parameter by runtime/flat_param.py
-
+from flashfsdp.runtime.param_tags import tag_of
 
 def _index(p: torch.Tensor) -> int:
-    return getattr(p, _INDEX)
+    return tag_of(p).index
 
 
 @dataclass
@@ -79,12 +77,13 @@ def is_flat_candidate(p: torch.Tensor) -> bool:
         RuntimeError: a parameter's gradient chunk has another number of elements than its own (a
             ``.grad`` replaced by a tensor of the wrong shape), naming the parameter.
     """
-    if not hasattr(p, _INDEX):
+    tag = tag_of(p)
+    if tag is None:
         return False
     local, g = local_of(p), local_of(p.grad)
     if g.numel() != local.numel():
         raise RuntimeError(
-            f"flashfsdp.optim: the gradient of {getattr(p, '_flashfsdp_fqn', 'a sharded parameter')} has "
+            f"flashfsdp.optim: the gradient of {tag.fqn} has "
             f"{g.numel()} local elements but the parameter's chunk has {local.numel()}; a .grad assigned by hand "
             f"must have the parameter's shape {tuple(p.shape)} and placements")
     return (local.is_floating_point() and not local.is_complex() and local.is_contiguous() and not g.is_sparse
@@ -185,7 +184,7 @@ class FlatStates:
             if (local.data_ptr() != view.data_ptr()
                     or local.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()):
                 view.copy_(local.reshape(view.shape))
-        state[key] = p._flashfsdp_group.spec.wrap(view, p.shape)
+        state[key] = tag_of(p).group.spec.wrap(view, p.shape)
 
     def reserve_steps(self, runs: Sequence[Run], device_of, dtype: torch.dtype) -> None:
         """Make every shard's step-counter vector long enough for ``runs`` (before any

@@ -14,6 +14,8 @@ from torch.optim.sgd import sgd
 
 from flashfsdp._torch_private import use_grad_for_differentiable
 
+from flashfsdp.runtime.param_tags import group_of
+
 from .base import FlatStepMixin, GroupPlan
 from .clip import ClipInStepMixin, check_max_grad_norm
 
@@ -95,7 +97,7 @@ class SGD(ClipInStepMixin, FlatStepMixin, torch.optim.SGD):
             if not on:  # a buffer this step started: into the flat buffer, the pieces' state its views
                 states.run_view(run, "momentum_buffer").copy_(buf)
                 for p in run.params:
-                    self.state[p]["momentum_buffer"] = p._flashfsdp_group.spec.wrap(
+                    self.state[p]["momentum_buffer"] = group_of(p).spec.wrap(
                         states.view(p, "momentum_buffer"), p.shape)
         plan.stale = True
 

@@ -13,7 +13,7 @@ Per rank it holds (``layout.py`` for the offsets):
   an ``nn.Parameter`` holding a DTensor with FSDP2's placements and global shape whose local tensor
   is a view into ``sharded_flat`` (``sharding_spec.py``), so stock optimizers, ``clip_grad_norm_``,
   DCP and DSD see what FSDP2 gives them, and an optimizer step writes the shard in place.
-  Each carries ``_flashfsdp_fqn`` and ``_flashfsdp_index`` (its position in the group).
+  Each is recorded with this group and its index there (``param_tags.py``).
 - ``sharded_grad`` (``grad_shard.py``): S elements laid out as ``sharded_flat``; the DTensor
   gradients' local tensors are views into it.
 - ``gathered``: W·S elements in ``param_dtype``, rank-major: the all-gather output.
@@ -38,6 +38,7 @@ from flashfsdp.kernels import flatten, quantize_int8, unflatten
 
 from .grad_shard import GradShard
 from .layout import ShardLayout
+from .param_tags import set_tag
 from .sharding_spec import ShardingSpec, is_dtensor, local_of
 
 
@@ -108,6 +109,7 @@ class FlatParam(GradShard):
         self.rank = rank
         self.world_size = world_size
         self.spec = spec or ShardingSpec(None)
+        self.unit = None  # the ShardedUnit that owns the group (set by it)
         self.layout = ShardLayout.build(self.shapes, world_size, align)
         # this rank's chunk of each parameter: (offset in the shard, elements, shape), read per step
         self._chunks = [(self.layout.offsets[i], self.layout.local_numel(rank, i), self.layout.local_shape(rank, i))
@@ -164,12 +166,10 @@ class FlatParam(GradShard):
         return param
 
     def _tag(self, param: torch.Tensor, i: int) -> None:
-        param._flashfsdp_fqn = self.fqns[i]
-        param._flashfsdp_index = i
+        set_tag(param, self, i)
 
     def prefix_fqns(self, prefix: str) -> None:
-        """Prepend ``prefix`` (e.g. ``"layers.0."``) to every parameter's name, in ``fqns`` and on
-        the sharded parameters' ``_flashfsdp_fqn``."""
+        """Prepend ``prefix`` (e.g. ``"layers.0."``) to every parameter's name in ``fqns``."""
         for pos in range(len(self.fqns)):
             self.prefix_fqn(pos, prefix)
 
@@ -177,7 +177,6 @@ class FlatParam(GradShard):
         """Prepend ``prefix`` to the name of parameter ``pos`` only (a grouped unit's parameters are
         named relative to the module each belongs to)."""
         self.fqns[pos] = prefix + self.fqns[pos]
-        self.sharded_params[pos]._flashfsdp_fqn = self.fqns[pos]
 
     @property
     def requires_grad(self) -> bool:

@@ -89,8 +89,15 @@ class ShardingSpec:
         return out
 
     def parameter(self, local: torch.Tensor, shape: Sequence[int], requires_grad: bool) -> nn.Parameter:
-        """An ``nn.Parameter`` over :meth:`wrap` of ``local``."""
-        return nn.Parameter(self.wrap(local, shape), requires_grad=requires_grad)
+        """An ``nn.Parameter`` over :meth:`wrap` of ``local``. A DTensor is made a parameter as
+        ``nn.Parameter`` makes a tensor subclass one, but without its ``detach()``, which would
+        rebuild the wrapper through torch's constructor (see [Note: DTensor wrapper storage offset])."""
+        if self.mesh is None:
+            return nn.Parameter(local, requires_grad=requires_grad)
+        param = self.wrap(local, shape)
+        param.requires_grad_(requires_grad)
+        param._is_param = True  # what nn.Parameter.__new__ marks a tensor subclass with
+        return param
 
     def __repr__(self) -> str:
         if self.mesh is None:

@@ -179,9 +179,7 @@ class ShardedUnit:
 
     def _tag_pieces(self) -> None:
         for group in self.groups:
-            for param in group.sharded_params:
-                param._flashfsdp_unit = self
-                param._flashfsdp_group = group
+            group.unit = self
 
     def adopt(self, registered: Sequence[torch.Tensor], device: torch.device | None = None) -> bool:
         """Take back the parameters after ``nn.Module._apply`` changed them (``model.to(dtype)``,

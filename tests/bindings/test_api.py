@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 import flashfsdp
+from flashfsdp.runtime.param_tags import tag_of
 from tests.harness import run_distributed
 from tests.models import make_llama
 from tests.training import gather_full_params, local_rows
@@ -26,7 +27,7 @@ def test_sharded_parameters_carry_fully_qualified_names():
     params = list(model.named_parameters())
     assert [n for n, _ in params] == names
     for name, param in params:
-        assert param._flashfsdp_fqn == name
+        assert tag_of(param).fqn == name
     fqns = [fqn for m in model.modules() if hasattr(m, "_flashfsdp_state")
             for g in m._flashfsdp_state.unit.groups for fqn in g.fqns]
     assert sorted(fqns) == sorted(names)

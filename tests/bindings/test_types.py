@@ -5,8 +5,8 @@ Per parameter after ``fully_shard`` and after a backward: the class (``nn.Parame
 ``DTensor``), placements, mesh size, global shape and stride, ``to_local()`` shape and values
 (FSDP2's dim-0 chunks, also uneven and empty ones), the gradient's class, placements and local
 values; per module: ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` and the class name;
-``state_dict()`` value types; and the DTensor's own operations (``full_tensor``, ``redistribute``)
-on the chunks' views. Also the refusals FSDP2 shares (0-dim parameters) and the ones it does not
+``state_dict()`` value types; the DTensor's own operations (``full_tensor``, ``redistribute``)
+on the chunks' views; parameters deep-copy and pickle (no reference to the unit rides on them). Also the refusals FSDP2 shares (0-dim parameters) and the ones it does not
 (parameters that already are DTensors: not supported yet), and a one-process model without
 ``torch.distributed`` (plain tensors: no mesh to put a DTensor on).
 """
@@ -14,6 +14,7 @@ on the chunks' views. Also the refusals FSDP2 shares (0-dim parameters) and the 
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -72,6 +73,17 @@ def _both(rank: int, world_size: int) -> dict:
         torch.manual_seed(1 + rank)
         model(torch.randn(4, 5)).sum().backward()
         results[name] = _describe(model)
+        # parameters and their state copy and pickle (copy.deepcopy(optimizer.state) copies its keys,
+        # the parameters, with their gradients): no reference to the unit rides on them. (torch's
+        # FSDP2 fails this at W = 3: its gradients are DTensors over views at nonzero offsets of
+        # the reduce-scatter output, which torch's copy takes for plain tensors.)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        optim.step()
+        try:
+            results[name]["copies"] = [type(k).__name__ for k in copy.deepcopy(optim.state)]
+        except RuntimeError as e:
+            results[name]["copies"] = str(e)
+        results[name]["pickled"] = len(pickle.dumps(list(model.parameters()))) > 0
     return results
 
 
@@ -86,6 +98,7 @@ def test_parameters_gradients_and_state_dict_are_fsdp2s(described):
         assert [n for n, _ in flash["modules"]] == [n for n, _ in want["modules"]]
         assert [f for _, f in flash["modules"]] == [f for _, f in want["modules"]] == [True, True, True]
         assert flash["state_dict"] == want["state_dict"]
+        assert flash["copies"] == ["DTensor"] * 5 and flash["pickled"], flash["copies"]
         for name in ("a.weight", "a.bias", "b.weight", "b.bias", "scale"):
             f, w = flash[name], want[name]
             for key in ("placements", "mesh", "shape", "stride", "dim", "numel", "grad_type", "grad_placements",

@@ -17,6 +17,7 @@ import flashfsdp
 from flashfsdp.bindings.autograd import in_backward
 from flashfsdp.estimate import estimate
 from flashfsdp.models import Llama, LlamaConfig
+from flashfsdp.runtime.param_tags import unit_of
 from flashfsdp.runtime.states import ShardState
 from tests.harness import run_distributed
 
@@ -56,7 +57,7 @@ def _measure(rank: int, param_dtype: str, reshard) -> dict:
     for block in model.layers:
         flashfsdp.fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
     flashfsdp.fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
-    units = list({id(p._flashfsdp_unit): p._flashfsdp_unit for p in model.parameters()}.values())
+    units = list({id(unit_of(p)): unit_of(p) for p in model.parameters()}.values())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     log = {"gathers": [], "held": []}
     _instrument(units, log)

@@ -8,8 +8,8 @@ module's, and every name is relative to the root.
 Upstream reads FSDP2's private ``fully_shard.state(m)._fsdp_param_group._module_fqn`` and each
 ``FSDPParam._param_fqn``; that is still what the torch run reads. flashfsdp has no
 ``FSDPParamGroup``: its sharded parameters (DTensors, as FSDP2's) carry their unit
-(``_flashfsdp_unit``, the unit of ``fully_shard.state(m).unit``) and their name
-(``_flashfsdp_fqn``), and the unit's name is the module's qualified name after lazy
+(``param_tags.unit_of``, the unit of ``fully_shard.state(m).unit``) and their recorded name
+(``tag_of(p).fqn``), and the unit's name is the module's qualified name after lazy
 init (``"<root>"`` for the root, whose qualified name is empty). Lazy init is triggered as upstream
 does (the root state's private ``_lazy_init()``), and also by a first forward (the public way).
 """
@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.testing._internal.common_fsdp import MLP
 
 from tests.fsdp2_suite.runner import CaseSet
+from flashfsdp.runtime.param_tags import tag_of
 
 cases = CaseSet(__name__)
 
@@ -57,9 +58,9 @@ def unit_param_fqns(impl, model: nn.Module) -> dict[str, dict[str, int]]:
             out[path] = {}
     for name, p in model.named_parameters():
         assert impl.is_sharded(p), f"{name} is not sharded"
-        owner = units.get(id(p._flashfsdp_unit))
+        owner = units.get(id(tag_of(p).unit))
         assert owner is not None, f"{name}'s unit is not the unit of any fully_shard'ed module of the model"
-        out[owner][p._flashfsdp_fqn] = impl.full_shape(p).numel()
+        out[owner][tag_of(p).fqn] = impl.full_shape(p).numel()
     return out
 
 

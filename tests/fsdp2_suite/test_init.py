@@ -567,7 +567,7 @@ def fully_shard_module_and_param_fqns(rank, world_size, impl):
     and ``state_dict()`` use the original fully-qualified names; each unit's parameters (what its
     ``unshard()`` unshards) are root {1.*}, 0.in_proj {0.in_proj.*}, 0.out_proj {0.out_proj.*}.
     The names each implementation records are checked too: torch's ``_param_fqn`` of each
-    FSDPParam, flashfsdp's ``_flashfsdp_fqn`` of each sharded parameter."""
+    FSDPParam, flashfsdp's recorded name of each sharded parameter (``runtime/param_tags.py``)."""
     model = nn.Sequential(MLP(8), MLP(8))
     names = [n for n, _ in model.named_parameters()]
     keys = list(model.state_dict().keys())
@@ -589,7 +589,9 @@ def fully_shard_module_and_param_fqns(rank, world_size, impl):
                 for fsdp_param in group.fsdp_params:
                     recorded[fsdp_param._param_fqn] = fsdp_param.sharded_param
     else:
-        recorded = {p._flashfsdp_fqn: p for p in model.parameters()}
+        from flashfsdp.runtime.param_tags import tag_of  # noqa: PLC0415
+
+        recorded = {tag_of(p).fqn: p for p in model.parameters()}
     assert sorted(recorded) == sorted(names), sorted(recorded)
     for n, p in model.named_parameters():
         assert recorded[n] is p, n
