@@ -130,15 +130,10 @@ def test_training_summary_prints_the_estimate_beside_the_measured_peak(tmp_path)
 
     config = TrainConfig.from_argv(["--out", str(tmp_path), "--device", "cpu", "--param-dtype", "bf16"])
     config.save()
-    expected = estimate(config.model, 2, mp_policy=config_policy(config)).total_bytes
+    expected = estimate(config.llama, 2, mp_policy=config.precision.policy).total_bytes
     assert report.estimated_memory(str(tmp_path), 2) == expected
     summary = dict(params=1, world_size=2, device="cpu", start_step=0, step=1, train_loss=1.0, val_loss=1.0,
                    unigram_baseline=3.0, tokens_per_s=1.0, wall_s=1.0, peak_memory_bytes=2**30)
     assert f"1.0GiB (estimated {report.format_bytes(expected)} + activations)" in report.write_summary(
         str(tmp_path), summary)
 
-
-def config_policy(config):
-    from flashfsdp.train.sharding import mixed_precision  # noqa: PLC0415
-
-    return mixed_precision(config.param_dtype, config.reduce_dtype)
