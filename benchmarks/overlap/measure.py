@@ -175,15 +175,15 @@ class _ContentionProbe:
 # ------------------------------------------------------------------------------ the measured steps
 
 
-def _build(config: Config, communicator="auto"):
+def _build(config: Config, communicator="auto", mesh=None):
     import flashfsdp  # noqa: PLC0415
     from flashfsdp.models.llama import Llama, LlamaConfig  # noqa: PLC0415
 
     model = Llama(LlamaConfig(dim=config.dim, n_layers=config.layers, n_heads=config.heads, max_seq_len=config.seq))
     model.init_weights(0)
     for block in model.layers:
-        flashfsdp.fully_shard(block, communicator=communicator)
-    flashfsdp.fully_shard(model, communicator=communicator)
+        flashfsdp.fully_shard(block, communicator=communicator, mesh=mesh)
+    flashfsdp.fully_shard(model, communicator=communicator, mesh=mesh)
     return model
 
 
@@ -250,7 +250,7 @@ def _unit_meta(model) -> dict:
     meta = {}
     for unit in (m._flashfsdp_state.unit for m in model.modules() if hasattr(m, "_flashfsdp_state")):
         meta[unit.name] = {
-            "numel": sum(g.layout.total for g in unit.groups),
+            "numel": sum(g.layout.gathered_size for g in unit.groups),  # W·S: what an all-gather lands
             "param_bytes": max((g.param_dtype.itemsize for g in unit.groups), default=4),
             "reduce_bytes": (unit.reduce_dtype or unit.groups[0].param_dtype).itemsize if unit.groups else 4,
         }
@@ -323,10 +323,15 @@ class _Samples:
 
 def _measure_config(rank: int, world_size: int, args, config: Config, link_cal: _LinkCalibration) -> dict:
     """Everything measured for one configuration on this rank (see the package docstring, 1 (b)-(d))."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+
     from flashfsdp.runtime.communicator import LocalCommunicator  # noqa: PLC0415
 
     model = _build(config)
-    twin = _build(config, communicator=LocalCommunicator())
+    # the twin's DTensor parameters live on a mesh of this rank alone, as its communicator does
+    own_group, _ = dist.new_subgroups(group_size=1)
+    twin = _build(config, communicator=LocalCommunicator(), mesh=DeviceMesh.from_group(own_group, "cpu"))
     trainer = _Trainer(model, config, 1000 + rank)
     twin_trainer = _Trainer(twin, config, 1000 + rank)
     for _ in range(args.warmup):  # the first forward makes the root context and names the units
