@@ -36,7 +36,7 @@ class MLPStack(nn.Module):
     """Input projection, a stack of MLP blocks, a one-bias unit, an output head.
 
     The uneven sizes the parity tests need: ``head.bias`` has ``d_out`` = 3 elements, fewer than
-    W = 4 (some ranks hold an empty piece of it); ``shift`` is a unit of one 13-element bias; no
+    W = 4 (some ranks hold an empty dim-0 chunk of it); ``shift`` is a unit of one 13-element bias; no
     weight has a size divisible by 4.
     """
 

@@ -26,11 +26,11 @@ def sharded_mlp(seed: int = 0):
 
 
 def local_values(model) -> dict[str, torch.Tensor]:
-    """This rank's piece of every parameter, cloned, by name."""
+    """Every parameter as this rank holds it (a DTensor: its local chunk), cloned, by name."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def assert_values(model, values: dict[str, torch.Tensor]) -> None:
-    """``model``'s local pieces equal ``values`` exactly."""
+    """``model``'s parameters equal ``values`` exactly (this rank's chunks of DTensors)."""
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), values[name], rtol=0, atol=0, msg=name)

@@ -42,7 +42,7 @@ def _trained(seed: int = 0, **kwargs):
 
 
 def _snapshot(model, opt) -> dict:
-    """Every parameter piece, buffer and optimizer state tensor / hyperparameter, cloned."""
+    """Every parameter, buffer and optimizer state tensor / hyperparameter, cloned."""
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "buffers": [b.clone() for b in model.buffers()],
