@@ -123,6 +123,15 @@ def _swap_in(path: str, tmp: str, old: str) -> None:
     _remove(old)
 
 
+def discard_scratch(path: str) -> None:
+    """Rank 0, after a save of checkpoint ``path`` failed on every rank: remove its scratch
+    ``.<name>.tmp``, unless that holds a complete checkpoint (a publish that failed after writing
+    the marker: then it is the newest copy, which ``load`` finds and the next save moves into place)."""
+    tmp = scratch(path)[0]
+    if complete_marker(tmp) is None:
+        _remove(tmp)
+
+
 def _rename(src: str, dst: str) -> None:
     os.rename(src, dst)
     fsync_dir(os.path.dirname(dst))

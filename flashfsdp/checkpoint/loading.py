@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flashfsdp.bindings.agreement import agree, global_rank, global_world_size
+from flashfsdp.runtime import flight
+from flashfsdp.runtime.agreement import agree, global_rank, global_world_size
 from flashfsdp.bindings.optim_state_dict import set_optimizer_state_dict
 
 from .atomic import newest_copy, recovery_message
@@ -79,11 +80,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             optimizer are then partly loaded (load a good checkpoint before training on). On every
             other error they are unchanged ([Note: load is all-or-nothing ...]).
     """
-    checked, state = _checked(path, model, optimizer, verify)
-    _read(checked["source"], state)
-    _agreed(lambda: model.load_state_dict(state["model"]))
-    if optimizer is not None:
-        _agreed(lambda: set_optimizer_state_dict(model, optimizer, state["optim"]))
+    with flight.operation("checkpoint.load"):  # the name its control messages carry
+        checked, state = _checked(path, model, optimizer, verify)
+        _read(checked["source"], state)
+        _agreed(lambda: model.load_state_dict(state["model"]))
+        if optimizer is not None:
+            _agreed(lambda: set_optimizer_state_dict(model, optimizer, state["optim"]))
     return {"step": checked["marker"]["step"], "extra": checked["extra"]}
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import zlib
+from typing import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flashfsdp.bindings.agreement import agree, global_rank, global_world_size
+from flashfsdp.runtime import flight
+from flashfsdp.runtime.agreement import agree, agree_and_gather, global_rank, global_world_size
 
 from . import atomic
 from .checksums import ChecksummingWriter, crc32_of_file
@@ -60,19 +62,33 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         OSError: rank 0 could not create, finish or rename the directory; the newest complete
             checkpoint of ``path`` is still there or in a hidden sibling, where ``load`` finds it.
     """
-    path, extra_bytes, state = _checked(path, model, optimizer, step, extra)
-    agree(_on_rank0(lambda: atomic.prepare(path)))
-    tmp = atomic.scratch(path)[0]
-    checksums = _gather_checksums(_write(path, tmp, state))
+    with flight.operation("checkpoint.save"):  # the name its control messages carry
+        path, extra_bytes, state = _checked(path, model, optimizer, step, extra)
+        agree(_on_rank0(lambda: atomic.prepare(path)))
+        tmp = atomic.scratch(path)[0]
+        with _scratch_removed_on_error(path):
+            checksums = _gather_checksums(_write(path, tmp, state))
 
-    def finish() -> None:
-        checksums[EXTRA] = zlib.crc32(extra_bytes)
-        checksums[METADATA] = crc32_of_file(os.path.join(tmp, METADATA))
-        marker = new_marker(step, global_world_size(), optimizer is not None, checksums)
-        atomic.publish(path, {EXTRA: extra_bytes, MARKER: marker})
+            def finish() -> None:
+                checksums[EXTRA] = zlib.crc32(extra_bytes)
+                checksums[METADATA] = crc32_of_file(os.path.join(tmp, METADATA))
+                marker = new_marker(step, global_world_size(), optimizer is not None, checksums)
+                atomic.publish(path, {EXTRA: extra_bytes, MARKER: marker})
 
-    agree(_on_rank0(finish))
+            agree(_on_rank0(finish))
     return path
+
+
+@contextlib.contextmanager
+def _scratch_removed_on_error(path: str) -> Iterator[None]:
+    """When the block raises (on every rank alike: its failures are agreed), rank 0 removes the
+    scratch directory of checkpoint ``path`` (``atomic.discard_scratch``: kept when complete)."""
+    try:
+        yield
+    except BaseException:
+        if global_rank() == 0:
+            atomic.discard_scratch(path)
+        raise
 
 
 def _checked(path, model, optimizer, step, extra) -> tuple[str, bytes, dict]:
@@ -119,12 +135,9 @@ def _on_rank0(action) -> Exception | None:
 
 
 def _gather_checksums(mine: dict[str, int]) -> dict[str, int]:
-    """Collective: every rank's shard-file checksums merged (all of them on every rank)."""
-    if global_world_size() == 1:
-        return dict(mine)
-    everyone: list = [None] * global_world_size()
-    dist.all_gather_object(everyone, mine)
-    return {name: crc for ranks in everyone for name, crc in ranks.items()}
+    """Collective (on the control group): every rank's shard-file checksums merged (all of them on
+    every rank)."""
+    return {name: crc for ranks in agree_and_gather(None, mine) for name, crc in ranks.items()}
 
 
 def _serialise_extra(extra) -> bytes:

@@ -2,7 +2,7 @@
 
 An NCCL communicator is expensive to create (a rendezvous, GPU buffers), and ``clip_grad_norm_``
 all-reduces once per communicator rather than once per unit, so units over the same group share
-one. The cache is process-wide and checked against the group object itself (a destroyed and
+one. The first communicator of a group also creates the group's control group (``control.py``). The cache is process-wide and checked against the group object itself (a destroyed and
 re-created default group gets new communicators).
 
 [Note: sibling groups]
@@ -21,6 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import control, flight_dump
 from .communicator import Communicator, LocalCommunicator
 
 KINDS = ("auto", "nccl", "process_group")
@@ -64,6 +65,10 @@ def communicator_for(group, kind: str | Communicator, device: torch.device) -> C
     """
     if group is None or dist.get_world_size(group) == 1:
         return LocalCommunicator()  # a group of one rank has nothing to communicate (as FSDP2)
+    # The group's control group, now that every rank of the group builds its units in one order
+    # (see flashfsdp.runtime.control); and the flight recorder's signal dumps, when asked for.
+    control.control_group(group)
+    flight_dump.arm_from_environment()
     kind = resolve_kind(kind, device)
     key = (id(group), kind, str(device))
     cached = _cache.get(key)
@@ -78,6 +83,20 @@ def communicator_for(group, kind: str | Communicator, device: torch.device) -> C
             cached = ProcessGroupCommunicator(group)
         _cache[key] = cached
     return cached
+
+
+def forget_communicators(group=None) -> int:
+    """Drop the cached communicators over ``group`` (None or the default group: every one) and
+    the subgroup communicators derived from it; returns how many. Call it on every rank before
+    ``destroy_process_group`` of a job that creates groups again (a test running several jobs in
+    one process): the cache would otherwise keep the destroyed groups, their sockets and threads
+    alive while the new ones connect. Units built before keep their own communicators."""
+    everything = group is None or (dist.is_initialized() and group is dist.group.WORLD)
+    doomed = [key for key, comm in _cache.items()
+              if everything or getattr(comm, "group", None) is group or getattr(comm, "parent", None) is group]
+    for key in doomed:
+        del _cache[key]
+    return len(doomed)
 
 
 def communicator_in_use(group, device: torch.device) -> Communicator:

@@ -1,0 +1,288 @@
+"""Rank-disagreement cases at W = 2 for the tests (``test_disagreement.py``) and ``benchmarks.soak``.
+
+Each case runs in a fresh gloo group with a short collective timeout (:func:`short_timeout_group`:
+the harness's group is swapped for one made here, then for a healthy one again, so that the
+spawner's closing barrier runs on a group no case broke) and returns what each rank raised:
+``("ok", value)`` or ``("error", class name, message)``. The model: a Sequential of three
+fully_shard'ed linear layers of different widths (so mismatched collectives differ in size) and
+the root; rank r trains on its own batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+TIMEOUT_S = 2.0
+
+
+@contextlib.contextmanager
+def short_timeout_group(store_dir: str, name: str, rank: int, world_size: int, timeout_s: float = TIMEOUT_S):
+    """The default group replaced by one with a ``timeout_s`` collective timeout over the file
+    store ``<store_dir>/<name>``; afterwards by a fresh group with the default timeout."""
+    _swap_group(os.path.join(store_dir, name), rank, world_size, datetime.timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        gc.collect()
+        _swap_group(os.path.join(store_dir, name + ".after"), rank, world_size, None)
+
+
+def _swap_group(store: str, rank: int, world_size: int, timeout) -> None:
+    """Destroy the default group, wait until every rank has (a file-store barrier: gloo's
+    connections of a new group must not meet those of one being torn down), then create a new
+    one over the file store ``store``."""
+    from flashfsdp.runtime.comm_factory import forget_communicators  # noqa: PLC0415
+
+    forget_communicators()  # nothing keeps the old groups alive while the new one connects
+    gc.collect()
+    dist.destroy_process_group()
+    barrier = dist.FileStore(store + ".swap", world_size)
+    barrier.add("destroyed", 1)
+    while int(barrier.add("destroyed", 0)) < world_size:
+        time.sleep(0.01)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, **kwargs)
+
+
+def model(seed: int = 0, **kwargs) -> nn.Sequential:
+    """Three fully_shard'ed linear layers of different widths, and the root (``kwargs``: for
+    every fully_shard call)."""
+    from flashfsdp import fully_shard  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 4))
+    for i in (0, 2, 4):
+        fully_shard(net[i], **kwargs)
+    return fully_shard(net, **kwargs)
+
+
+def step(net: nn.Module, rank: int, i: int, backward: bool = True) -> float:
+    """One forward (and backward) on rank ``rank``'s batch ``i``; returns the loss."""
+    torch.manual_seed(100 * rank + i)
+    loss = net(torch.randn(4, 8)).square().mean()
+    if backward:
+        loss.backward()
+    return float(loss)
+
+
+def outcome(fn, *args):
+    """``("ok", fn(*args))`` or ``("error", class name, message)``."""
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return ("error", type(exc).__name__, str(exc))
+
+
+# ------------------------------------------------------------------------------------- the cases
+def save_vs_forward(rank: int, ckpt: str):
+    """One step on both; then rank 0 saves a checkpoint while rank 1 runs the next step."""
+    from flashfsdp import checkpoint  # noqa: PLC0415
+
+    net = model()
+    step(net, rank, 1)
+    if rank == 0:
+        checkpoint.save(ckpt, net, step=1)
+    else:
+        step(net, rank, 2)
+
+
+def save_vs_first_forward(rank: int, ckpt: str):
+    """Rank 0 saves before any forward while rank 1 runs its first forward."""
+    from flashfsdp import checkpoint  # noqa: PLC0415
+
+    net = model()
+    if rank == 0:
+        checkpoint.save(ckpt, net, step=0)
+    else:
+        step(net, rank, 1)
+
+
+def uneven_batches_then_save(rank: int, ckpt: str):
+    """Rank 0 has 2 batches, rank 1 has 3; each saves after its last."""
+    from flashfsdp import checkpoint  # noqa: PLC0415
+
+    net = model()
+    for i in range(2 + rank):
+        step(net, rank, i)
+    checkpoint.save(ckpt, net, step=2 + rank)
+
+
+def skipped_backward(rank: int, ckpt: str):
+    """Rank 1 runs the second step's forward without its backward; both then save."""
+    from flashfsdp import checkpoint  # noqa: PLC0415
+
+    net = model()
+    step(net, rank, 1)
+    step(net, rank, 2, backward=rank == 0)
+    checkpoint.save(ckpt, net, step=2)
+
+
+def differing_gradient_sync(rank: int, ckpt: str):
+    """Rank 1 turns gradient synchronisation off before the second step; both then save."""
+    from flashfsdp import checkpoint  # noqa: PLC0415
+
+    net = model()
+    step(net, rank, 1)
+    net.set_requires_gradient_sync(rank == 0)
+    step(net, rank, 2)
+    checkpoint.save(ckpt, net, step=2)
+
+
+def int8_on_one_rank(rank: int, ckpt: str):
+    """Rank 1 all-gathers in int8 (``MixedPrecisionPolicy(all_gather_dtype=torch.int8)``)."""
+    from flashfsdp import MixedPrecisionPolicy  # noqa: PLC0415
+
+    net = model(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               all_gather_dtype=torch.int8 if rank == 1 else None))
+    step(net, rank, 1)
+
+
+def reshard_after_forward_differs(rank: int, ckpt: str):
+    """reshard_after_forward True on rank 0, False on rank 1."""
+    net = model(reshard_after_forward=rank == 0)
+    step(net, rank, 1)
+
+
+def _states(net: nn.Module) -> tuple:
+    """(the root's state, every unit's state in the root's order)."""
+    root = net.__dict__["_flashfsdp_state"]
+    return root, list(root.ctx.states)
+
+
+def backward_sync_differs(rank: int, ckpt: str):
+    """After a forward, the backward check where rank 1 turned gradient sync off for one unit."""
+    from flashfsdp.bindings.backward_check import check_backward_units  # noqa: PLC0415
+
+    net = model()
+    step(net, rank, 1, backward=False)
+    root, states = _states(net)
+    net[2].set_requires_gradient_sync(rank == 0, recurse=False)
+    check_backward_units(root, states, states)
+
+
+def backward_units_differ(rank: int, ckpt: str):
+    """The backward check where unit '2' has no backward on rank 1."""
+    from flashfsdp.bindings.backward_check import check_backward_units  # noqa: PLC0415
+
+    net = model()
+    step(net, rank, 1, backward=False)
+    root, states = _states(net)
+    check_backward_units(root, states, [s for s in states if rank == 0 or s.unit.name != "2"])
+
+
+def backward_check_agrees(rank: int, ckpt: str):
+    """The backward check where both ranks agree, then again with nothing changed (no exchange)."""
+    from flashfsdp.bindings.backward_check import check_backward_units, needs_check  # noqa: PLC0415
+
+    net = model()
+    step(net, rank, 1, backward=False)
+    root, states = _states(net)
+    check_backward_units(root, states, states)
+    return needs_check(root, states)
+
+
+def _ignored_model(rank: int):
+    """A sharded layer and an ignored one; the ignored layer's gradient is all-reduced (made equal)
+    unless ``rank`` is given, then it stays rank-local."""
+    from flashfsdp import fully_shard  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    fully_shard(net, ignored_params=set(net[1].parameters()))
+    step(net, rank, 1)
+    return net
+
+
+def clip_ignored_params_differ(rank: int, ckpt: str):
+    """clip_grad_norm_ over a model whose ignored parameters have rank-local gradients."""
+    import flashfsdp  # noqa: PLC0415
+
+    return flashfsdp.clip_grad_norm_(_ignored_model(rank), 1.0).item()
+
+
+def clip_ignored_params_equal(rank: int, ckpt: str):
+    """clip_grad_norm_ once the ignored parameters' gradients are all-reduced: one norm on every rank."""
+    import flashfsdp  # noqa: PLC0415
+
+    net = _ignored_model(rank)
+    for p in net[1].parameters():
+        dist.all_reduce(p.grad)
+    return flashfsdp.clip_grad_norm_(net, 1.0).item()
+
+
+def optimizer_max_grad_norm_mixed(rank: int, ckpt: str):
+    """flashfsdp.optim.AdamW(max_grad_norm=...) over sharded and rank-local plain parameters."""
+    from flashfsdp.optim import AdamW  # noqa: PLC0415
+
+    net = _ignored_model(rank)
+    AdamW(net.parameters(), lr=1e-3, max_grad_norm=1.0).step()
+
+
+def threaded_state_dict_during_step(rank: int, ckpt: str):
+    """Rank 0 is between a forward and its backward, rank 1 after a forward without grad, when a
+    thread of each asks for the full state dict."""
+    import flashfsdp  # noqa: PLC0415
+
+    net = model()
+    step(net, rank, 1)
+    with torch.set_grad_enabled(rank == 0):
+        step(net, rank, 2, backward=False)
+    box = {}
+    reader = threading.Thread(target=lambda: box.update(result=outcome(flashfsdp.get_full_state_dict, net)))
+    reader.start()
+    reader.join()
+    if box["result"][0] == "error":
+        raise RuntimeError(box["result"][2])
+    return sorted(box["result"][1])
+
+
+CASES = {
+    "save_vs_forward": save_vs_forward,
+    "save_vs_first_forward": save_vs_first_forward,
+    "uneven_batches_then_save": uneven_batches_then_save,
+    "skipped_backward": skipped_backward,
+    "differing_gradient_sync": differing_gradient_sync,
+    "int8_on_one_rank": int8_on_one_rank,
+    "reshard_after_forward_differs": reshard_after_forward_differs,
+    "backward_sync_differs": backward_sync_differs,
+    "backward_units_differ": backward_units_differ,
+    "backward_check_agrees": backward_check_agrees,
+    "clip_ignored_params_differ": clip_ignored_params_differ,
+    "clip_ignored_params_equal": clip_ignored_params_equal,
+    "optimizer_max_grad_norm_mixed": optimizer_max_grad_norm_mixed,
+    "threaded_state_dict_during_step": threaded_state_dict_during_step,
+}
+
+
+def trace_dir(store_dir: str, name: str) -> str:
+    """Where the ranks dump their flight recorders in case ``name``."""
+    return os.path.join(store_dir, f"trace_{name}")
+
+
+CLIP_CASES = ("clip_ignored_params_differ", "clip_ignored_params_equal", "optimizer_max_grad_norm_mixed")
+
+
+def run_case(rank: int, world_size: int, name: str, store_dir: str) -> tuple:
+    """Rank ``rank``'s outcome of case ``name`` and the seconds it took to raise (or return)."""
+    from flashfsdp.runtime import flight  # noqa: PLC0415
+
+    flight.configure()  # each case from seq 0 on both ranks, whatever the cases before did
+    os.environ["FLASHFSDP_TRACE_DIR"] = trace_dir(store_dir, name)
+    with short_timeout_group(store_dir, name, rank, world_size):
+        start = time.monotonic()
+        result = outcome(CASES[name], rank, os.path.join(store_dir, f"ckpt_{name}"))
+        return result, time.monotonic() - start
+
+
+def run_cases(rank: int, world_size: int, names: list[str], store_dir: str) -> dict:
+    """:func:`run_case` for each of ``names``, in turn."""
+    return {name: run_case(rank, world_size, name, store_dir) for name in names}
