@@ -1,19 +1,21 @@
-"""clip_grad_norm_: the true global gradient norm of a sharded model, and clipping to it."""
+"""clip_grad_norm_: the true global gradient norm of a sharded model, and clipping to it (the norm
+itself: ``flashfsdp.runtime.grad_norm``)."""
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
 import torch.nn as nn
 
-from flashfsdp._torch_private import assert_async, foreach_mul_
-from flashfsdp.runtime.communicator import Communicator
-from flashfsdp.runtime.sharding_spec import is_dtensor, local_of
+from flashfsdp._torch_private import foreach_mul_
+from flashfsdp.runtime.agreement import raise_own
+from flashfsdp.runtime.grad_norm import total_grad_norm, unit_communicators
+from flashfsdp.runtime.sharding_spec import local_of
 
-from .agreement import raise_group_errors, raise_own
 from .init_window import close_init_windows
+
+__all__ = ["clip_grad_norm_", "total_grad_norm", "unit_communicators"]
 
 
 def clip_grad_norm_(
@@ -26,7 +28,8 @@ def clip_grad_norm_(
 
     Sharded parameters (DTensors over their unit's flat shard) contribute their local chunk,
     summed over the unit's ranks (max for ``norm_type=inf``) in one all-reduce per unit
-    communicator; other parameters (replicated, e.g. ``ignored_params``) count once. The stock
+    communicator; other parameters (e.g. ``ignored_params``) count once, when their gradients are
+the same on every rank (else every rank raises: see Returns). The stock
     ``torch.nn.utils.clip_grad_norm_`` gives the same norm on DTensor gradients (FSDP2's way:
     one DTensor reduction per parameter group); this one reads the units' flat layout instead.
     The norm is read from the gradients as they are now: a squared norm cached at the reduction
@@ -46,15 +49,16 @@ def clip_grad_norm_(
         error_if_nonfinite: raise if the total norm is inf/nan instead of clipping with it.
 
     Returns:
-        The total norm (0-dim fp32 tensor); same semantics as ``torch.nn.utils.clip_grad_norm_``
-        on the unsharded model. It is identical on every rank when every gradient belongs to a
-        sharded parameter (reduced across ranks). Other parameters (``ignored_params``,
-        parameters of modules outside any unit) keep their rank-local gradients, which enter
-        this rank's norm as they are: make them equal on every rank first (e.g. all-reduce them)
-        if the norm must agree.
+        The total norm (0-dim fp32 tensor), identical on every rank; same semantics as
+        ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Parameters outside any unit
+        (``ignored_params``, modules not sharded) keep rank-local gradients: they count once, and
+        only when they are equal on every rank (``flashfsdp.runtime.grad_norm.check_replicated``:
+        one more small all-reduce, and a host synchronisation, when such parameters are given
+        next to sharded ones at W > 1).
 
     Raises:
-        ValueError: ``max_norm`` <= 0 or ``norm_type`` <= 0 (on any rank).
+        ValueError: ``max_norm`` <= 0 or ``norm_type`` <= 0 (on any rank); gradients of
+            parameters outside any unit that differ across ranks (on every rank; nothing clipped).
         RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is set (on any rank).
     """
     close_init_windows()
@@ -85,120 +89,3 @@ def _check_args(max_norm: float, norm_type: float) -> float:
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
     return norm_type
-
-
-def unit_communicators(params: list[torch.Tensor]) -> dict[int, tuple[Communicator, torch.device]]:
-    """``id(communicator) -> (communicator, its unit's device)`` of every sharded parameter's unit,
-    in parameter order, whether or not the parameter has a gradient on this rank (a piece may be
-    empty on one rank and have no gradient there, and its unit's all-reduce is still owed)."""
-    comms: dict[int, tuple[Communicator, torch.device]] = {}
-    for p in params:
-        unit = getattr(p, "_flashfsdp_unit", None)
-        if unit is not None and hasattr(p, "_flashfsdp_group"):
-            comms.setdefault(id(unit.comm), (unit.comm, unit.device))
-    return comms
-
-
-def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.device, comms: dict,
-                    error: BaseException | None = None, error_if_nonfinite: bool = False) -> torch.Tensor:
-    """The ``norm_type``-norm of every gradient of ``params`` across ranks (0-dim fp32 on ``device``):
-    per communicator of ``comms`` (:func:`unit_communicators`), the sum (max for inf) of its sharded
-    parameters' terms, all-reduced once together with a failure flag; replicated parameters' terms
-    added once. Collective over ``comms``. A flat group whose every parameter is given with the
-    gradient its reduction exposed contributes one term over its whole gradient shard (the
-    padding is zero), not one per parameter.
-
-    Raises:
-        ``error`` (this rank's refused argument) or a non-finite norm (``error_if_nonfinite``) of
-        any rank, on every rank.
-    """
-    is_inf = math.isinf(norm_type)
-    terms_by_comm: dict[int, list[torch.Tensor]] = {key: [] for key in comms}
-    replicated: list[torch.Tensor] = []
-    whole = _whole_groups(params)
-    for group in whole.values():
-        terms_by_comm[id(group.sharded_params[0]._flashfsdp_unit.comm)].append(_norm_term(group.sharded_grad, norm_type))
-    for p in params:
-        if p.grad is None:
-            continue
-        group = getattr(p, "_flashfsdp_group", None)
-        if group is not None and id(group) in whole:
-            continue
-        if group is None:
-            replicated.append(_norm_term(p.grad.full_tensor() if is_dtensor(p.grad) else p.grad, norm_type))
-        else:
-            terms_by_comm[id(p._flashfsdp_unit.comm)].append(_norm_term(local_of(p.grad), norm_type))
-    total = _combine(torch.zeros((), dtype=torch.float32, device=device), replicated, is_inf)
-    # Flags sent with each norm part: [refused argument, replicated norm not finite]; >= 0, so both
-    # sum and max leave them > 0 exactly when some rank raised one.
-    flags = torch.tensor([float(error is not None), 0.0], device=device)
-    if error_if_nonfinite:
-        flags[1] = (~torch.isfinite(total)).float()
-    nonfinite_elsewhere = False
-    for key, (comm, comm_device) in comms.items():
-        part = _combine(torch.zeros((), dtype=torch.float32, device=device), terms_by_comm[key], is_inf)
-        payload = torch.cat([part.reshape(1), flags]).to(comm_device)
-        comm.all_reduce(payload, op="max" if is_inf else "sum").wait()
-        if _remote_failure(payload, comm_device, error_if_nonfinite, comm.rank):
-            raise_group_errors(comm, error, comm_device)
-        nonfinite_elsewhere = nonfinite_elsewhere or (error_if_nonfinite and payload[2].item() > 0)
-        part = payload[0].to(device)
-        total = torch.maximum(total, part) if is_inf else total + part
-    raise_own(error)  # (no communicator, or the device assertion tells the other ranks)
-    total = total if is_inf else total ** (1.0 / norm_type)
-    if error_if_nonfinite and (nonfinite_elsewhere or not torch.isfinite(total)):
-        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} is not finite ({total.item()} on "
-                           f"this rank{', and not finite on another' if nonfinite_elsewhere else ''}); no gradient was clipped")
-    return total
-
-
-def _whole_groups(params: list[torch.Tensor]) -> dict:
-    """``id(group) -> group`` of the flat groups whose every parameter is in ``params`` with the
-    DTensor gradient the group's reduction exposed (so the gradient shard holds exactly their
-    gradients, zeros in the padding)."""
-    seen: dict[int, tuple] = {}
-    for p in params:
-        group = getattr(p, "_flashfsdp_group", None)
-        if group is not None and p.grad is not None:
-            seen.setdefault(id(group), (group, set()))[1].add(p._flashfsdp_index)
-    whole = {}
-    for key, (group, indices) in seen.items():
-        exposed = group._grad_tensors
-        if (len(indices) == len(group.sharded_params) and exposed is not None
-                and exposed[0] is group.sharded_grad
-                and all(p.grad is g for p, g in zip(group.sharded_params, exposed[1]))):
-            whole[key] = group
-    return whole
-
-
-def _remote_failure(payload: torch.Tensor, device: torch.device, synchronising: bool, rank: int) -> bool:
-    """Whether some rank refused its arguments (``payload[1] > 0``).
-
-    Read on the host where that costs nothing (CPU) or the caller asked for a synchronisation
-    anyway (``error_if_nonfinite``). On CUDA otherwise an asynchronous device assertion carries it
-    (no synchronisation on the training step's path; the rank fails at its next one) and this
-    returns False.
-    """
-    if device.type == "cpu" or synchronising:
-        return payload[1].item() > 0
-    assert_async(payload[1] == 0, f"clip_grad_norm_: another rank than rank {rank} refused its arguments "
-                                         f"(see its error); the gradients were not clipped consistently")
-    return False
-
-
-def _combine(start: torch.Tensor, terms: list[torch.Tensor], is_inf: bool) -> torch.Tensor:
-    """``start`` with ``terms`` added (max for the inf-norm)."""
-    if not terms:
-        return start
-    stacked = torch.stack(terms).float()
-    return torch.maximum(start, stacked.max()) if is_inf else start + stacked.sum()
-
-
-def _norm_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """|g|_inf, or sum |g|^p, in fp32."""
-    g = grad.detach().float()
-    if math.isinf(norm_type):
-        return g.abs().max() if g.numel() else torch.zeros((), device=g.device)
-    if norm_type == 2.0:
-        return (g * g).sum()
-    return g.abs().pow(norm_type).sum()

@@ -5,8 +5,9 @@ gradient three times: for the norm, to multiply it by the clip coefficient, and 
 torch's fused kernels (``torch._fused_adamw_``, CPU and CUDA) divide each gradient by a
 ``grad_scale`` tensor as they read it, so an optimizer that knows the coefficient passes
 ``grad_scale = 1 / coef`` instead and the clip costs no pass of its own. The norm is
-:func:`flashfsdp.bindings.clip_grad.total_grad_norm` (the one ``clip_grad_norm_`` uses: one
-all-reduce per communicator); the coefficient is torch's
+:func:`flashfsdp.runtime.grad_norm.total_grad_norm` (the one ``clip_grad_norm_`` uses: one
+all-reduce per communicator; parameters outside any unit count only when their gradients are the
+same on every rank, else every rank raises); the coefficient is torch's
 (``torch.nn.utils.clip_grad_norm_``): ``coef = min(1, max_norm / (norm + 1e-6))``, computed on
 the device, without a host synchronisation.
 """
@@ -18,7 +19,7 @@ import math
 import torch
 
 from flashfsdp._torch_private import foreach_mul_
-from flashfsdp.bindings.clip_grad import total_grad_norm, unit_communicators
+from flashfsdp.runtime.grad_norm import total_grad_norm, unit_communicators
 from flashfsdp.runtime.sharding_spec import local_of
 
 
