@@ -1,4 +1,6 @@
-"""No hang on a one-rank failure: every collective-bearing call of the PyTorch layer raises on every rank.
+"""No hang on a one-rank failure: flashfsdp's own collective-bearing calls (its full state-dict
+functions, clip_grad_norm_, the first forward's checks) raise on every rank. DSD's getters and
+setters are torch's own over the DTensors, as on FSDP2, and are not cases here.
 
 One spawn of W = 2 gloo ranks runs every case in turn (each on a fresh tiny model); a case gives
 one rank bad input (or a failure injected on one rank) and records what each rank raised. A case
@@ -83,24 +85,6 @@ def _get_fails_on_rank0(rank):
         flashfsdp.get_full_state_dict(model)
 
 
-def _dsd_model_full_fails_on_rank0(rank):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
-
-    model = _model()
-    with _injected(rank, "unflatten"):
-        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
-def _dsd_optim_full_state_differs(rank):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: PLC0415
-
-    model, optim = _trained(rank)
-    if rank == 1:  # the last unit's parameters have no optimizer state on rank 1 only
-        for p in model[2].parameters():
-            optim.state.pop(p)
-    get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
-
-
 def _clip_bad_max_norm_on_rank1(rank):
     model, _ = _trained(rank)
     flashfsdp.clip_grad_norm_(model, 0.0 if rank == 1 else 1.0)
@@ -156,20 +140,14 @@ CASES = {
     "get_model_differs_before_forward": _get_model_differs_before_forward,
     "max_inflight_on_a_non_root_of_rank1": _max_inflight_on_a_non_root_of_rank1,
 }
-# DSD's full getters (torch's code over the DTensor state dicts), each in a spawn of its own: a
-# rank left inside one of their collectives must not hold up the cases above.
-DSD_CASES = {
-    "dsd_model_full_fails_on_rank0": _dsd_model_full_fails_on_rank0,
-    "dsd_optim_full_state_differs": _dsd_optim_full_state_differs,
-}
 
 
-def _run_cases(rank, world_size, names=tuple(CASES)):
+def _run_cases(rank, world_size):
     """Per case: ("ok", value) or ("error", exception class name, message)."""
     outcomes = {}
-    for name in names:
+    for name, case in CASES.items():
         try:
-            outcomes[name] = ("ok", {**CASES, **DSD_CASES}[name](rank))
+            outcomes[name] = ("ok", case(rank))
         except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
             outcomes[name] = ("error", type(exc).__name__, str(exc))
     return outcomes
@@ -178,10 +156,6 @@ def _run_cases(rank, world_size, names=tuple(CASES)):
 @pytest.fixture(scope="module")
 def outcomes():
     return run_distributed(_run_cases, 2, timeout=240)
-
-
-def _dsd_outcomes(case: str) -> list[dict]:
-    return run_distributed(_run_cases, 2, (case,), timeout=60)
 
 
 def _assert_every_rank_raised(outcomes, case: str, kind: str, *fragments: str) -> None:
@@ -216,16 +190,8 @@ def test_get_full_state_dict_bad_argument_on_one_rank(outcomes):
     _assert_every_rank_raised(outcomes, "get_bad_flag_on_rank1", "TypeError", "cpu_offload must be a bool, got 'no' (rank 1)")
 
 
-@pytest.mark.parametrize("case", ["get_fails_on_rank0", "dsd_model_full_fails_on_rank0"])
-def test_full_state_dict_getters_failure_on_one_rank_after_agreement(outcomes, case):
-    if case in DSD_CASES:
-        outcomes = _dsd_outcomes(case)
-    _assert_every_rank_raised(outcomes, case, "MemoryError", "injected: out of memory (rank 0)")
-
-
-def test_dsd_full_optimizer_getter_state_differs():
-    _assert_every_rank_raised(_dsd_outcomes("dsd_optim_full_state_differs"), "dsd_optim_full_state_differs", "ValueError",
-                              "the optimizer states to gather differ across ranks", "'2.weight'", "nothing on rank 1")
+def test_full_state_dict_getter_failure_on_one_rank_after_agreement(outcomes):
+    _assert_every_rank_raised(outcomes, "get_fails_on_rank0", "MemoryError", "injected: out of memory (rank 0)")
 
 
 def test_clip_grad_norm_bad_argument_on_one_rank(outcomes):
