@@ -382,12 +382,14 @@ def active() -> Profile | None:
 
 
 @contextlib.contextmanager
-def profile(device_type: str | None = None) -> Iterator[Profile]:
+def profile(device_type: str | None = None, aggregate: bool = False) -> Iterator[Profile]:
     """Record flashfsdp spans inside the block; yields the :class:`Profile`.
 
     Args:
         device_type: "cuda" to time with CUDA events, "cpu" for wall clock; default: "cuda" when
             CUDA is available, else "cpu".
+        aggregate: keep running per-unit statistics instead of every span, in constant memory,
+            for a profile held open over a whole run (``trace_aggregate.AggregatingProfile``).
 
     Raises:
         RuntimeError: if a profile is already active (profiles do not nest).
@@ -400,7 +402,12 @@ def profile(device_type: str | None = None) -> Iterator[Profile]:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"flashfsdp.profile(): device_type must be 'cpu' or 'cuda', got {device_type!r}")
-    prof = Profile(device_type=device_type)
+    if aggregate:
+        from .trace_aggregate import AggregatingProfile  # noqa: PLC0415 - it subclasses Profile
+
+        prof = AggregatingProfile(device_type=device_type)
+    else:
+        prof = Profile(device_type=device_type)
     _active = prof
     try:
         yield prof
