@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from flashfsdp._torch_private import c10d_world, get_default_store
 
+from . import flight
 from .communicator import Communicator, ReduceOpName, Work, check_collective_sizes, check_reduce_op
 from .nccl_env import char_is_signed, import_nccl, unique_id_from_bytes, unique_id_to_bytes
 from .nccl_watchdog import CollectiveError, CollectiveTimeout, Watchdog
@@ -80,6 +81,9 @@ DEFAULT_TIMEOUT_S = 600.0  # torch's default NCCL process-group timeout (10 minu
 _id_counter = itertools.count()
 _live: "weakref.WeakSet[NcclCommunicator]" = weakref.WeakSet()  # every communicator not destroyed yet
 _exit_release_registered = False
+# The flight recorder's kind of each collective (``flight.py``).
+_FLIGHT_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                 "all_reduce": "all_reduce", "broadcast": "broadcast"}
 
 
 class _NcclWork(Work):
@@ -91,9 +95,12 @@ class _NcclWork(Work):
 
     def set_unit(self, unit: str) -> None:
         self._entry.unit = unit
+        if self._entry.flight_entry is not None:
+            self._entry.flight_entry.unit = unit
 
     def wait(self) -> None:
         self._watchdog.raise_if_failed()
+        flight.waiting(self._entry.flight_entry)  # (a stream waits: completed once the watchdog sees it done)
         torch.cuda.current_stream().wait_event(self._event)
         self._keepalive = ()
 
@@ -148,6 +155,7 @@ class NcclCommunicator(Communicator):
         nccl = import_nccl()
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
+        self.ranks = tuple(dist.get_process_group_ranks(self.group))  # for the flight recorder
         self.world_size = dist.get_world_size(self.group)
         if device is None:
             device = torch.cuda.current_device()
@@ -240,10 +248,11 @@ class NcclCommunicator(Communicator):
                 raise ValueError(f"NcclCommunicator: {name}: tensor on {t.device}, communicator on {self.device}")
         comm = self._live_comm()
         stream = torch.cuda.current_stream(self.device)
+        entry = flight.record(_FLIGHT_KINDS[name], self.ranks, tensors[-1].numel() * tensors[-1].element_size())
         call(comm, stream.cuda_stream)
         event = torch.cuda.Event()
         event.record(stream)
-        return _NcclWork(event, tensors, self._watchdog, self._watchdog.register(name, event.query))
+        return _NcclWork(event, tensors, self._watchdog, self._watchdog.register(name, event.query, entry))
 
     @staticmethod
     def _dtype(t: torch.Tensor) -> int:

@@ -13,6 +13,8 @@ by a daemon thread, and by host waits) checks NCCL's asynchronous error, drops c
 collectives and, at the first error or overdue collective, aborts the communicator once
 (``ncclCommAbort`` makes the stuck kernels return) and keeps the error; the communicator raises it
 at its next call (:meth:`Watchdog.raise_if_failed`), and the thread writes it to stderr at once.
+A failure also dumps the flight recorder (``flight_dump.py``) at once, and the raised error says
+where every reachable rank is (``divergence.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from flashfsdp.log import get_logger
+
+from . import divergence, flight, flight_dump
 
 _log = get_logger(__name__)
 
@@ -43,6 +47,7 @@ class Pending:
     deadline: float
     done: Callable[[], bool]
     unit: str | None = None
+    flight_entry: object = None  # its flight-recorder entry (``flight.py``), marked completed when seen done
 
     def describe(self) -> str:
         """``"all_gather_into_tensor of unit 'layers.0'"`` (or ``"... (unit not named)"``)."""
@@ -74,12 +79,15 @@ class Watchdog:
         self._pending: list[Pending] = []
         self._lock = threading.Lock()
         self.error: CollectiveError | None = None
+        self._failed_entry = None  # the overdue collective's flight entry
+        self._diagnosed = False  # the error's message holds the ranks' positions
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def register(self, collective: str, done: Callable[[], bool]) -> Pending:
-        """Watch a collective just issued; its deadline is now + ``timeout_s``."""
-        entry = Pending(collective, self._clock() + self.timeout_s, done)
+    def register(self, collective: str, done: Callable[[], bool], flight_entry=None) -> Pending:
+        """Watch a collective just issued (``flight_entry``: its flight-recorder entry, if any);
+        its deadline is now + ``timeout_s``."""
+        entry = Pending(collective, self._clock() + self.timeout_s, done, flight_entry=flight_entry)
         with self._lock:
             self._pending.append(entry)
         return entry
@@ -101,35 +109,47 @@ class Watchdog:
                                               f"in flight: {self._describe_all()}"))
         now = self._clock()
         with self._lock:
-            self._pending = [p for p in self._pending if not p.done()]
+            finished = [p for p in self._pending if p.done()]
+            self._pending = [p for p in self._pending if p not in finished]
             overdue = next((p for p in self._pending if now > p.deadline), None)
+        for p in finished:
+            flight.completed(p.flight_entry)
         if overdue is not None:
             return self._fail(CollectiveTimeout(
                 f"{self.name}: {overdue.describe()} did not complete within {self.timeout_s:g} s (another rank "
                 f"never issued it, issued different collectives, or died); the communicator was aborted. "
-                f"In flight: {self._describe_all()}"))
+                f"In flight: {self._describe_all()}"), overdue)
         return None
 
     def _describe_all(self) -> str:
         with self._lock:
             return ", ".join(p.describe() for p in self._pending) or "nothing"
 
-    def _fail(self, error: CollectiveError) -> CollectiveError:
+    def _fail(self, error: CollectiveError, overdue: Pending | None = None) -> CollectiveError:
         self.error = error
+        self._failed_entry = overdue.flight_entry if overdue is not None else None
         try:
             self._abort()
         except Exception as exc:  # noqa: BLE001 - the error to report is the collective's
             error.args = (f"{error.args[0]} (aborting the communicator raised too: {exc!r})",)
+        flight.failed(self._failed_entry)
+        flight_dump.dump(f"watchdog: {type(error).__name__}", error)  # at once, from whichever thread fired
         return error
 
     def raise_if_failed(self) -> None:
-        """Raise the failure the watchdog found, if any.
+        """Raise the failure the watchdog found, if any; the first time, its message gains where
+        every reachable rank is (``divergence.failure``: the ranks' flight-recorder reports).
 
         Raises:
             CollectiveError: (or :class:`CollectiveTimeout`) naming the collective and unit.
         """
-        if self.error is not None:
-            raise self.error
+        if self.error is None:
+            return
+        if not self._diagnosed:
+            self._diagnosed = True
+            diagnosis = divergence.failure(self.error, self._failed_entry, self.name, reason="watchdog")
+            self.error.args = (f"{self.error.args[0]}\n{str(diagnosis).split(chr(10), 1)[-1]}",)
+        raise self.error
 
     def wait_until(self, done: Callable[[], bool], pause_s: float = 1e-3) -> None:
         """Block until ``done()`` while polling: a host wait that ends in an error, not a hang.

@@ -187,3 +187,23 @@ def test_the_process_group_communicator_records_its_collectives():
     first, second = flight.entries()[-2:]
     assert (first.kind, first.unit, first.nbytes, first.state) == ("all_gather", "layers.7", 16, flight.COMPLETED)
     assert (second.kind, second.nbytes, second.group) == ("all_reduce", 12, (0,))
+
+
+def test_a_watchdog_timeout_dumps_at_once_and_names_the_position(tmp_path, monkeypatch):
+    from flashfsdp.runtime.nccl_watchdog import CollectiveTimeout, Watchdog  # noqa: PLC0415
+
+    monkeypatch.setenv(flight_dump.ENV_DIR, str(tmp_path))
+    dog = Watchdog("comm(rank 0 of 2)", 0.01, lambda: None, lambda: None, poll_s=10)
+    entry = flight.record("reduce_scatter", (0, 1), 64, unit="layers.1")
+    dog.register("reduce_scatter_tensor", lambda: False, entry).unit = "layers.1"
+    done = flight.record("all_gather", (0, 1), 64, unit="layers.0")
+    dog.register("all_gather_into_tensor", lambda: True, done)
+    import time  # noqa: PLC0415
+
+    time.sleep(0.02)
+    assert isinstance(dog.poll(), CollectiveTimeout)
+    assert done.state == flight.COMPLETED and entry.state == flight.FAILED
+    assert json.loads((tmp_path / "flight_rank0.json").read_text())["reason"] == "watchdog: CollectiveTimeout"
+    with pytest.raises(CollectiveTimeout, match=r"(?s)did not complete.*rank 0 waits in the reduce-scatter of "
+                                                r"'layers.1'"):
+        dog.raise_if_failed()
