@@ -6,7 +6,7 @@ Under torchrun (the environment has TORCHELASTIC_RUN_ID) the process is already 
 Started plainly, it launches `--nproc` local copies of itself, `python -m flashfsdp.train ARGS`,
 with `torch.distributed.launcher.api.elastic_launch`: a single-node c10d rendezvous (as
 `torchrun --standalone`) whose stores listen on 127.0.0.1 only (`flashfsdp.train.rendezvous`),
-no restarts.
+with gloo's sockets on the loopback interface (GLOO_SOCKET_IFNAME), no restarts.
 
 [Note: timeouts] Every collective of a worker waits at most `--timeout` seconds for the other
 ranks (the process group's timeout): a rank that hangs or is stopped makes the others raise, the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -124,11 +125,22 @@ def _run_agent(config, worker_argv: list[str], out: str) -> int:
     return 0
 
 
+def loopback_interface() -> str | None:
+    """The name of this host's loopback network interface ("lo" on Linux, "lo0" on macOS), or None."""
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
 def _worker_environment(nproc: int, device_type: str) -> None:
-    """Set the environment the workers inherit: OMP_NUM_THREADS on CPU, `_LAUNCHED_ENV`, and
-    PYTHONPATH leading with the checkout that holds this `flashfsdp`."""
+    """Set the environment the workers inherit: OMP_NUM_THREADS on CPU, `_LAUNCHED_ENV`,
+    PYTHONPATH leading with the checkout that holds this `flashfsdp`, and GLOO_SOCKET_IFNAME the
+    loopback interface unless set (one node: gloo's sockets stay on loopback, whatever this host's
+    name resolves to)."""
     if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // nproc))
+    loopback = loopback_interface()
+    if loopback is not None and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
     os.environ[_LAUNCHED_ENV] = "1"
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../flashfsdp
     root = os.path.dirname(package)
