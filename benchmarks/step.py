@@ -23,7 +23,10 @@ root for the sharded systems. Per system:
   ``traced_exposed_ms`` (time the compute stream waited on them per step); see
   ``flashfsdp.runtime.trace``.
 - ``unit_overhead_us`` = ``overhead_ms`` / units, in µs, units = layers + 1 (one per block and
-  the root): the host cost of sharding per unit per step where communication is free.
+  the root): the host cost of sharding per unit per step where communication is free;
+  ``unit_hook_overhead_us`` the same of ``fwd_bwd_ms`` (the step up to the end of its backward:
+  forward, backward and every hook, not the optimizer step), so that the hooks' cost is told
+  apart from the optimizer's (torch's AdamW over DTensor parameters dispatches per parameter).
 
 ``--host-bound``: the host-bound case (48 tiny blocks, W = 1, unsharded vs flashfsdp vs FSDP2, no
 trace), where a step is mostly the runtime's per-unit host work; written as ``step_host_bound_w1``.
@@ -76,8 +79,8 @@ DEFAULTS = {
 # --host-bound: a model whose step is mostly per-unit host work (see the module docstring).
 HOST_BOUND = {"world_size": 1, "dim": 32, "layers": 48, "heads": 2, "seq": 16, "batch": 2, "param_dtype": "fp32",
               "profile_steps": 0, "systems": ["unsharded", "flashfsdp", "fsdp2"]}
-COLUMNS = ["system", "world_size", "params_M", "step_ms", "tokens_per_s", "peak_mem_MiB", "overhead_ms",
-           "unit_overhead_us", "traced_comm_ms", "traced_exposed_ms", "all_gather_MB", "bwd_all_gather_MB", "vs_fsdp2",
+COLUMNS = ["system", "world_size", "params_M", "step_ms", "fwd_bwd_ms", "tokens_per_s", "peak_mem_MiB", "overhead_ms",
+           "unit_overhead_us", "unit_hook_overhead_us", "traced_comm_ms", "traced_exposed_ms", "all_gather_MB", "bwd_all_gather_MB", "vs_fsdp2",
            "vs_unsharded"]
 
 
@@ -153,24 +156,30 @@ def _run_system(rank: int, world_size: int, system: str, args) -> dict:
     memory.reset()
     gen = torch.Generator().manual_seed(1000 + rank)
 
-    def step() -> None:
+    def step() -> float:
+        """One step; returns when its forward and backward ended (``time.perf_counter``)."""
         tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen).to(device)
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         loss.backward()
+        _sync(device)
+        backward_end = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return backward_end
 
     for _ in range(args.warmup):
         step()
-    times = []
+    times, fwd_bwd = [], []
     for _ in range(args.steps):
         _sync(device)
         t0 = time.perf_counter()
-        step()
+        backward_end = step()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    out = {"step_ms": statistics.median(times), "peak_bytes": memory.peak_bytes(), "memory": memory.description,
+        fwd_bwd.append((backward_end - t0) * 1e3)
+    out = {"step_ms": statistics.median(times), "fwd_bwd_ms": statistics.median(fwd_bwd),
+           "peak_bytes": memory.peak_bytes(), "memory": memory.description,
            "params": sum(p.numel() for p in _model(args, torch.device("meta")).parameters())}
     if system.startswith("flashfsdp") and args.profile_steps > 0:
         import flashfsdp  # noqa: PLC0415
@@ -344,7 +353,8 @@ def _notes(args, backend: str, memory: str) -> list[str]:
         "runs on the same W ranks at once, each training its own replica on its own per-rank batch, with no "
         "communication: the compute-only step.",
         f"unit_overhead_us = overhead_ms / {args.layers + 1} units (one per block and the root), in µs: the host "
-        "cost of sharding per unit per step where communication costs little (W = 1: the host-bound case).",
+        "cost of sharding per unit per step where communication costs little (W = 1: the host-bound case); "
+        "unit_hook_overhead_us: the same of fwd_bwd_ms (forward and backward with every hook, no optimizer step).",
         "traced_comm_ms / traced_exposed_ms: flashfsdp only, from its own trace (flashfsdp.profile) over "
         f"{args.profile_steps} extra steps, per step, largest rank: busy time of the all-gather and reduce-scatter "
         "streams (collectives from issue to completion, union per stream) and time the compute stream waited on "
@@ -386,7 +396,8 @@ def main(argv=None) -> list[dict]:
     for system in args.systems:
         runs = rounds[system]
         results = runs[0]
-        for key in ("step_ms", "peak_bytes", "comm_ms", "exposed_ms", "all_gather_bytes", "bwd_all_gather_bytes"):
+        for key in ("step_ms", "fwd_bwd_ms", "peak_bytes", "comm_ms", "exposed_ms", "all_gather_bytes",
+                    "bwd_all_gather_bytes"):
             if key in results[0]:
                 for rank, r in enumerate(results):
                     r[key] = statistics.median(run[rank][key] for run in runs)
@@ -394,7 +405,8 @@ def main(argv=None) -> list[dict]:
         step_ms = max(r["step_ms"] for r in results)
         tokens = args.world_size * args.batch * args.seq
         row = {"system": system, "world_size": args.world_size, "params_M": results[0]["params"] / 1e6,
-               "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1e3),
+               "step_ms": step_ms, "fwd_bwd_ms": max(r["fwd_bwd_ms"] for r in results),
+               "tokens_per_s": tokens / (step_ms / 1e3),
                "peak_mem_MiB": max(r["peak_bytes"] for r in results) / 2**20,
                "traced_comm_ms": max((r["comm_ms"] for r in results if "comm_ms" in r), default=math.nan),
                "traced_exposed_ms": max((r["exposed_ms"] for r in results if "exposed_ms" in r), default=math.nan),
@@ -409,6 +421,8 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         r["overhead_ms"] = r["step_ms"] - by["unsharded"]["step_ms"] if "unsharded" in by else math.nan
         r["unit_overhead_us"] = r["overhead_ms"] * 1e3 / (args.layers + 1)
+        r["unit_hook_overhead_us"] = ((r["fwd_bwd_ms"] - by["unsharded"]["fwd_bwd_ms"]) * 1e3 / (args.layers + 1)
+                                      if "unsharded" in by else math.nan)
         r["vs_fsdp2"] = r["step_ms"] / by["fsdp2"]["step_ms"] if "fsdp2" in by else math.nan
         r["vs_unsharded"] = r["step_ms"] / by["unsharded"]["step_ms"] if "unsharded" in by else math.nan
     rows = [{c: r[c] for c in COLUMNS} | env.stamp() for r in rows]
