@@ -10,7 +10,7 @@ instead of the backend's bare message:
    and a notice
    ``flashfsdp/flight/<n>/notice`` wakes the ranks that wait in a control exchange
    (``control.py`` polls :func:`notice_pending`): they stop waiting and report too;
-2. it waits up to ``FLASHFSDP_DIAGNOSIS_GRACE`` seconds (default 5; 0.5 when the backend said a
+2. it waits up to ``FLASHFSDP_DIAGNOSIS_GRACE`` seconds (default 3; 0.5 when the backend said a
    peer closed its connection: that peer reported before it went, or never will) for the reports
    of the other ranks of the collective's group (at most :data:`MAX_REPORTS`);
 3. it dumps its ring (``flight_dump.dump``) and returns a :class:`CollectiveFailure` whose message
@@ -20,7 +20,9 @@ instead of the backend's bare message:
 
 The store is the one the process group was created with (a TCP or file store), which stays
 reachable when the group's collectives do not. Without torch.distributed, or when the store
-fails, the error names this rank alone.
+fails, the error names this rank alone. A failure after the first under the same default group
+(the other collectives in flight, waited for while the error unwinds) exchanges and waits for
+nothing: its error repeats the first diagnosis.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from . import flight, flight_dump
 from .flight_report import describe
 
 GRACE_ENV = "FLASHFSDP_DIAGNOSIS_GRACE"
-DEFAULT_GRACE_S, PEER_GONE_GRACE_S = 5.0, 0.5
+DEFAULT_GRACE_S, PEER_GONE_GRACE_S = 3.0, 0.5
 REPORT_ENTRIES, MAX_REPORTS = 64, 32
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 _PREFIX = "flashfsdp/flight"
 _log = get_logger(__name__)
-_failures: list = [None, 0]  # [the default group they were counted under, failures reported so far]
+# [the default group they were counted under, failures reported so far, the first one's diagnosis]
+_failures: list = [None, 0, None]
 
 
 class CollectiveFailure(RuntimeError):
@@ -84,7 +87,7 @@ def _failure_count() -> int:
 
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     if _failures[0] is not world:
-        _failures[:] = [world, 0]
+        _failures[:] = [world, 0, None]
     return _failures[1]
 
 
@@ -141,6 +144,11 @@ def failure(error: BaseException, entry: "flight.Entry | None", what: str, reaso
     if isinstance(error, CollectiveFailure):
         return error
     flight.failed(entry)
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    _failure_count()  # (a new default group forgets the earlier diagnosis)
+    if _failures[0] is not None and _failures[2] is not None:  # (without a process group: nothing to repeat)
+        return CollectiveFailure(f"{what} failed too ({type(error).__name__}: {first_line}), after this earlier "
+                                 f"failure: {_failures[2]}")
     if reason is None:
         reason = "timeout" if "timed out" in str(error).lower() or isinstance(error, TimeoutError) else "error"
     mine = flight_dump.report(reason, error, entries=REPORT_ENTRIES)
@@ -148,7 +156,6 @@ def failure(error: BaseException, entry: "flight.Entry | None", what: str, reaso
     reports, missing = exchange_reports(mine, getattr(entry, "group", None), grace)
     path = flight_dump.dump(reason, error)
     where = f"\nflight recorder dumps: {os.path.dirname(path)} (python -m flashfsdp.debug DIR)" if path else ""
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return CollectiveFailure(
-        f"{what} failed on rank {mine['rank']} ({type(error).__name__}: {first_line}); where the ranks are:\n"
-        f"{describe(reports, missing, grace)}{where}")
+    _failures[2] = (f"{what} failed on rank {mine['rank']} ({type(error).__name__}: {first_line}); where the ranks "
+                    f"are:\n{describe(reports, missing, grace)}{where}")
+    return CollectiveFailure(_failures[2])
