@@ -27,9 +27,9 @@ nothing: its error repeats the first diagnosis.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
+import time
 
 from flashfsdp.log import get_logger
 
@@ -39,6 +39,7 @@ from .flight_report import describe
 GRACE_ENV = "FLASHFSDP_DIAGNOSIS_GRACE"
 DEFAULT_GRACE_S, PEER_GONE_GRACE_S = 3.0, 0.5
 REPORT_ENTRIES, MAX_REPORTS = 64, 32
+POLL_S = 0.02  # seconds between two looks for the other ranks' reports
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 _PREFIX = "flashfsdp/flight"
 _log = get_logger(__name__)
@@ -120,21 +121,23 @@ def exchange_reports(mine: dict, group: tuple | None, grace_s: float) -> tuple[l
         store.set(f"{prefix}/{mine['rank']}", json.dumps(mine))
         store.set(f"{prefix}/notice", str(mine["rank"]))
         keys = [f"{prefix}/{r}" for r in peers]
-        if keys:
-            try:
-                store.wait(keys, datetime.timedelta(seconds=grace_s))
-            except Exception:  # noqa: BLE001 - a timeout: take what arrived
-                pass
-        reports, missing = [mine], []
-        for rank, key in zip(peers, keys):
-            if store.check([key]):
-                reports.append(json.loads(store.get(key)))
-            else:
-                missing.append(rank)
-        return reports, missing
+        arrived = _await_keys(store, keys, grace_s)
+        reports = [mine] + [json.loads(store.get(key)) for key in keys if key in arrived]
+        return reports, [rank for rank, key in zip(peers, keys) if key not in arrived]
     except Exception as exc:  # noqa: BLE001 - the store is gone too: report this rank alone
         _log.error("flashfsdp flight recorder: could not exchange reports through the store: %s", exc)
         return [mine], []
+
+
+def _await_keys(store, keys: list[str], grace_s: float) -> set[str]:
+    """The ``keys`` present in ``store`` within ``grace_s`` seconds, looked for every
+    :data:`POLL_S` (a store's own ``wait`` may round its timeout up to whole seconds)."""
+    deadline, arrived = time.monotonic() + grace_s, set()
+    while True:
+        arrived |= {key for key in keys if key not in arrived and store.check([key])}
+        if len(arrived) == len(keys) or time.monotonic() >= deadline:
+            return arrived
+        time.sleep(POLL_S)
 
 
 def failure(error: BaseException, entry: "flight.Entry | None", what: str, reason: str | None = None) -> CollectiveFailure:
