@@ -1,28 +1,34 @@
 """``python -m benchmarks.soak``: the soak run and the fault table (see ``benchmarks.soak``).
 
-Prints both tables and writes ``soak.csv`` / ``soak.md`` and ``faults.csv`` / ``faults.md``
-(``*_quick.*`` with ``--quick``) to ``--out`` (default ``bench-results/cpu/``; ``--record``:
+Prints the tables and writes ``soak.csv`` / ``soak.md``, ``faults.csv`` / ``faults.md`` and the
+fault table's disagreement scenarios ``disagreements.csv`` / ``disagreements.md`` (``*_quick.*``
+with ``--quick``) to ``--out`` (default ``bench-results/cpu/``; ``--record``:
 ``benchmarks/results/cpu/``).
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 import torch
 
 from benchmarks.common import (add_output_arguments, device_setup, environment_columns, format_table, output_dir,
                                write_csv, write_markdown)
+from benchmarks.soak.disagreements import DISAGREEMENTS, QUICK_DISAGREEMENT, run_disagreement
 from benchmarks.soak.faults import FAULTS, TARGET_SLACK_S, run_fault
 from benchmarks.soak.leaks import LEAK_RSS_MIB, run_soak, sample_steps
 
 FAULT_COLUMNS = ["fault", "victim", "fault_reached", "rank0", "rank0_error_s", "rank0_destroyed_s", "rank0_end_s",
                  "rank1", "rank1_error_s", "rank1_destroyed_s", "rank1_end_s", "all_ended", "loaded_step", "expected_step", "load_ok",
                  "meets_target"]
+DISAGREEMENT_COLUMNS = ["scenario", "rank0", "rank0_surfaced_s", "rank0_named", "rank1", "rank1_surfaced_s",
+                        "rank1_named", "all_ended", "meets_target"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line; ``--quick``: a plain soak run of 4 steps and the first fault only.
+    """The command line; ``--quick``: a plain soak run of 4 steps, the first fault only and one
+    disagreement (the one that surfaces without waiting for the timeout).
 
     Raises SystemExit (argparse's error) for fewer than 2 steps or a non-positive timeout.
     """
@@ -54,14 +60,24 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     _, env, _ = device_setup("cpu")
-    soak = run_soak(args.steps, profiled=False) + ([] if args.quick else run_soak(args.steps, profiled=True))
+    soak = run_soak(args.steps, profiled=False)
+    if not args.quick:
+        soak += run_soak(args.steps, profiled=True) + run_soak(args.steps, profiled="aggregate")
     faults = [run_fault(fault, args.timeout) for fault in (FAULTS[:1] if args.quick else FAULTS)]
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        disagreements = [run_disagreement(d, args.timeout, ckpt_dir) for d in DISAGREEMENTS
+                         if not args.quick or d.name == QUICK_DISAGREEMENT]
     soak, faults = [r | env.stamp() for r in soak], [r | env.stamp() for r in faults]
+    disagreements = [r | env.stamp() for r in disagreements]
     columns = _soak_columns(args.steps)
     print(f"{env.device_name}: soak, W = 2 gloo, {args.steps} steps")
     print(format_table(soak, columns))
     print(f"\nfaults, W = 2 gloo, collective timeout {args.timeout:g} s")
     print(format_table(faults, FAULT_COLUMNS))
+    print(f"\nfaults: ranks that disagree, W = 2 gloo, collective timeout {args.timeout:g} s")
+    print(format_table(disagreements, DISAGREEMENT_COLUMNS))
+    for row in disagreements:
+        print(f"  {row['scenario']}: {row['diagnosis']}")
     out = output_dir(env.slug, out=args.out, record=args.record)
     suffix = "_quick" if args.quick else ""
     write_csv(soak, out / f"soak{suffix}.csv")
@@ -70,17 +86,22 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
                    env=env, notes=_soak_notes(args.steps))
     write_markdown(faults, FAULT_COLUMNS + ["survivor_error"], out / f"faults{suffix}.md", title="Faults",
                    env=env, notes=_fault_notes(args.timeout))
+    write_csv(disagreements, out / f"disagreements{suffix}.csv")
+    write_markdown(disagreements, DISAGREEMENT_COLUMNS + ["diagnosis"], out / f"disagreements{suffix}.md",
+                   title="Faults: ranks that disagree", env=env, notes=_disagreement_notes(args.timeout))
     return soak, faults
 
 
 def _soak_notes(steps: int) -> list[str]:
     return [
         f"W = 2 ranks (gloo, 1 intra-op thread each), tiny Llama (dim 32, 2 blocks, 1 unit per block + root), "
-        f"AdamW, {steps} steps; 'profile() open': the whole run inside flashfsdp.profile('cpu').",
+        f"AdamW, {steps} steps; 'profile() open': the whole run inside flashfsdp.profile('cpu'); "
+        f"'profile(aggregate=True) open': inside the aggregating profile (per-unit statistics, one step's spans).",
         "Samples after gc.collect(): rss_MiB (VmRSS), threads (/proc/self/task), fds (/proc/self/fd); @0 is right "
         "after joining the process group and importing flashfsdp.train (the per-process overhead).",
         f"Growth is from the middle sample to the end; leak = RSS grew by more than {LEAK_RSS_MIB:g} MiB, or threads "
-        "or fds grew. spans: spans the open profile holds at the end (it records every span by design).",
+        "or fds grew. spans: spans the open profile holds at the end (the plain profile records every span by design, "
+        "about 250 bytes each: its growth is the spans', not a leak; the aggregating one holds the last step's).",
     ]
 
 
@@ -96,6 +117,17 @@ def _fault_notes(timeout_s: float) -> list[str]:
         "more step (load_ok: loaded and a finite loss); expected_step: 4 when the crash came after the rename, else 2.",
         f"meets_target: the fault struck, the other rank raised within the timeout + {TARGET_SLACK_S:g} s, every rank "
         "ended, and the expected checkpoint loads.",
+    ]
+
+
+def _disagreement_notes(timeout_s: float) -> list[str]:
+    return [
+        "W = 2 ranks (gloo) that each end on their own, the tiny model of the fault runs; the ranks part ways "
+        "after a step or two (see benchmarks.soak.disagreements for each scenario).",
+        f"Collective timeout {timeout_s:g} s. rankN: what the rank raised; *_surfaced_s: seconds from its divergent "
+        "call to its exception; *_named: its message names both ranks' positions (or the setting that differs).",
+        "diagnosis: rank 0's message, its lines joined by ' | '.",
+        f"meets_target: every rank raised, named both, within the timeout + {TARGET_SLACK_S:g} s, and ended.",
     ]
 
 

@@ -30,7 +30,17 @@ def sample_steps(steps: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, steps // 100), max(1, steps // 2), steps}))
 
 
-def _soak_rank(rank: int, world_size: int, steps: int, profiled: bool) -> dict:
+def _profiled(profiled: bool | str):
+    """The profile the run holds open: none (False), ``flashfsdp.profile()`` (True), or the
+    aggregating one (``"aggregate"``: per-unit statistics, constant memory)."""
+    import flashfsdp  # noqa: PLC0415
+
+    if not profiled:
+        return contextlib.nullcontext()
+    return flashfsdp.profile("cpu", aggregate=profiled == "aggregate")
+
+
+def _soak_rank(rank: int, world_size: int, steps: int, profiled: bool | str) -> dict:
     import flashfsdp  # noqa: PLC0415
     import flashfsdp.train.trainer  # noqa: F401, PLC0415 - what a training worker imports
 
@@ -39,7 +49,7 @@ def _soak_rank(rank: int, world_size: int, steps: int, profiled: bool) -> dict:
     marks = sample_steps(steps)
     job = workload.build(rank)
     spans = None
-    with flashfsdp.profile("cpu") if profiled else contextlib.nullcontext() as prof:
+    with _profiled(profiled) as prof:
         for step in range(1, steps + 1):
             workload.train_step(job)
             if step in marks:
@@ -50,8 +60,10 @@ def _soak_rank(rank: int, world_size: int, steps: int, profiled: bool) -> dict:
     return {"samples": samples, "spans": spans}
 
 
-def run_soak(steps: int, profiled: bool, timeout_s: float = 1800) -> list[dict]:
-    """One soak run at W = 2 (gloo, one intra-op thread and the reference kernels per rank).
+def run_soak(steps: int, profiled: bool | str, timeout_s: float = 1800) -> list[dict]:
+    """One soak run at W = 2 (gloo, one intra-op thread and the reference kernels per rank), with
+    ``flashfsdp.profile()`` open the whole run if ``profiled`` (``"aggregate"``: the aggregating
+    profile).
 
     Returns:
         One row per rank: the samples as ``rss_MiB@<step>``, ``threads@<step>``, ``fds@<step>``;
@@ -63,7 +75,8 @@ def run_soak(steps: int, profiled: bool, timeout_s: float = 1800) -> list[dict]:
                           timeout=timeout_s)
     rows = []
     for rank, result in enumerate(results):
-        row = {"run": "profile() open" if profiled else "plain", "rank": rank, "steps": steps}
+        run = {False: "plain", True: "profile() open", "aggregate": "profile(aggregate=True) open"}[profiled]
+        row = {"run": run, "rank": rank, "steps": steps}
         by_step = {s["step"]: s for s in result["samples"]}
         for step, sample in by_step.items():
             row.update({f"{key}@{step}": sample[key] for key in ("rss_MiB", "threads", "fds")})
