@@ -30,6 +30,7 @@ from flashfsdp.fsdp1 import (  # FSDP1's wrapper API; the rest of its names: fla
     StateDictType,
 )
 from flashfsdp.runtime.trace import profile
+from flashfsdp.runtime import trace_aggregate  # noqa: F401 - registers profile(aggregate=True)
 from flashfsdp.estimate import estimate  # the function; its package stays importable as flashfsdp.estimate.*
 
 __all__ = [

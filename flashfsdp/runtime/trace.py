@@ -381,6 +381,18 @@ def active() -> Profile | None:
     return _active
 
 
+# The aggregating profile (``trace_aggregate.AggregatingProfile``, a subclass of Profile) registers
+# itself here when its module is imported: this module does not import it back.
+_AGGREGATING: "type[Profile] | None" = None
+
+
+def register_aggregating_profile(cls: "type[Profile]") -> None:
+    """Make ``cls`` the profile ``profile(aggregate=True)`` records into (called once, by
+    ``trace_aggregate``)."""
+    global _AGGREGATING
+    _AGGREGATING = cls
+
+
 @contextlib.contextmanager
 def profile(device_type: str | None = None, aggregate: bool = False) -> Iterator[Profile]:
     """Record flashfsdp spans inside the block; yields the :class:`Profile`.
@@ -402,12 +414,10 @@ def profile(device_type: str | None = None, aggregate: bool = False) -> Iterator
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"flashfsdp.profile(): device_type must be 'cpu' or 'cuda', got {device_type!r}")
-    if aggregate:
-        from .trace_aggregate import AggregatingProfile  # noqa: PLC0415 - it subclasses Profile
-
-        prof = AggregatingProfile(device_type=device_type)
-    else:
-        prof = Profile(device_type=device_type)
+    if aggregate and _AGGREGATING is None:
+        raise RuntimeError("flashfsdp.profile(aggregate=True): flashfsdp.runtime.trace_aggregate is not imported "
+                           "(import flashfsdp, which registers it)")
+    prof = (_AGGREGATING if aggregate else Profile)(device_type=device_type)
     _active = prof
     try:
         yield prof

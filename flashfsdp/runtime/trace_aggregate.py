@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .trace import Profile, Span
+from .trace import Profile, Span, register_aggregating_profile
 
 _TOTALS = ("comm_ms", "exposed_ms", "compute_ms")
 
@@ -126,3 +126,6 @@ def _add_stat(stats: dict, kind: str, ms: float) -> None:
     stat["count"] += 1
     stat["total_ms"] += ms
     stat["min_ms"], stat["max_ms"] = min(stat["min_ms"], ms), max(stat["max_ms"], ms)
+
+
+register_aggregating_profile(AggregatingProfile)
