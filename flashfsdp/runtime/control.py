@@ -135,7 +135,8 @@ def exchange(ctl: ControlGroup | None, operation: str, payload: Any) -> list[Any
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     flat = _all_gather(ctl, padded, entry, operation).numpy().tobytes()
     flight.completed(entry)
-    messages = [pickle.loads(flat[r * longest : r * longest + int(n)]) for r, n in enumerate(lengths.tolist())]  # noqa: S301 - the job's own ranks
+    # (unpickled: the messages come from the job's own ranks, as all_gather_object's do)
+    messages = [pickle.loads(flat[r * longest : r * longest + int(n)]) for r, n in enumerate(lengths.tolist())]
     _check_same_operation(ctl, messages)
     return [message[2] for message in messages]
 
@@ -161,11 +162,11 @@ def _all_gather(ctl: ControlGroup, tensor: torch.Tensor, entry, operation: str) 
         ctl.broken = f"{type(exc).__name__}: {exc}"
         raise divergence.failure(exc, entry, what) from exc
     flight.waiting(entry)
-    _poll(ctl, work, (out, tensor), entry, what)
+    _poll(ctl, work, entry, what)
     return out
 
 
-def _poll(ctl: ControlGroup, work, buffers: tuple, entry, what: str) -> None:
+def _poll(ctl: ControlGroup, work, entry, what: str) -> None:
     """Wait for ``work``; give up when another rank reports a failure (``divergence.notice_pending``)."""
     pause, next_look = 1e-5, time.monotonic() + NOTICE_POLL_S
     while not work.is_completed():
