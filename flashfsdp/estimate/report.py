@@ -35,6 +35,12 @@ def _row(label: str, nbytes: float) -> tuple[str, str, str]:
     return label, f"{int(nbytes):,}", human_bytes(nbytes)
 
 
+def _params_peak_label(units: int) -> str:
+    """The row of the unsharded parameters at their peak (all-gather outputs not yet copied out
+    included)."""
+    return f"unsharded parameters: {units} unit{'' if units == 1 else 's'} at the peak"
+
+
 def memory_table(est: Estimate) -> str:
     """Per-rank memory: model states, then what the step allocates, then the total."""
     largest = est.largest_unit
@@ -42,7 +48,7 @@ def memory_table(est: Estimate) -> str:
         _row("master parameters (sharded)", est.master_bytes),
         _row("gradients (sharded)", est.grad_bytes),
         _row(f"optimizer state ({est.optimizer})", est.optimizer_bytes),
-        _row(f"unsharded parameters: {len(est.units_at_peak)} units at once", est.params_peak_bytes),
+        _row(_params_peak_label(len(est.units_at_peak)), est.params_peak_bytes),
         _row("unsharded gradients (unit in backward)", est.unsharded_grad_bytes),
         _row("reduce-scatter pack + output buffers", est.reduce_buffer_bytes),
         _row("step peak on top of the states", est.transient_peak_bytes),
