@@ -18,7 +18,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     # The library, and its command lines' torch-free parsers; benchmarks/ runs from a checkout
-    # (python -m benchmarks.step) and is not installed.
+    # (python -m benchmarks.step) and is not installed, nor is flashfsdp_dev/ (what the tests and
+    # the benchmarks share: the rank spawner).
     packages=find_packages(include=["flashfsdp", "flashfsdp.*", "flashfsdp_cli", "flashfsdp_cli.*"]),
     # torch >= 2.6: flashfsdp/_torch_private.py (MIN_TORCH). Triton (triton.knobs: >= 3.4) only where the kernels
     # run: the GPU extras, and the tests (the interpreter on CPU); the CPU install uses the reference kernels.

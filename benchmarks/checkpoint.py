@@ -4,7 +4,7 @@
 
 Both systems shard the same Llama-style model (``flashfsdp.models.llama``, one unit per block plus
 the root) with an AdamW optimizer whose state exists (one step before timing). Operations, each
-collective over the W ranks (spawned with ``benchmarks.distributed.run_ranks``):
+collective over the W ranks (spawned with ``flashfsdp_dev.ranks.run_ranks``):
 
 - sharded save / load (model + optimizer): ``flashfsdp.checkpoint.save`` / ``load`` against
   ``dcp.save`` / ``dcp.load`` of ``get_model_state_dict`` + ``get_optimizer_state_dict`` for FSDP2,
@@ -46,9 +46,9 @@ import torch.nn as nn
 
 from benchmarks.common import (add_output_arguments, bar_chart, device_setup, environment_columns, format_table,
                                memory_verdict, output_dir, write_csv, write_markdown)
-from benchmarks.distributed import run_ranks
 from benchmarks.step import _model, _wrap
 from flashfsdp.runtime.memory import PeakMemoryMeter
+from flashfsdp_dev.ranks import run_ranks
 
 SYSTEMS = ("flashfsdp", "fsdp2")
 OPERATIONS = (("sharded", "save"), ("sharded", "load"), ("full", "save"), ("full", "load"))

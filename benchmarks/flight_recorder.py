@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from benchmarks.common import add_output_arguments, environment, format_table, output_dir, write_csv, write_markdown
-from benchmarks.distributed import run_ranks
 from benchmarks.step import HOST_BOUND
+from flashfsdp_dev.ranks import run_ranks
 
 COLUMNS = ("record_us", "hook_us", "collectives_per_step", "hooks_per_step", "step_ms", "bound_us", "bound_pct",
            "w2_on_ms", "w2_off_ms", "profile_bytes_per_span", "aggregate_bytes_per_step")

@@ -35,8 +35,8 @@ import torch.nn as nn
 
 from benchmarks.common import (add_output_arguments, bar_chart, device_setup, environment_columns, format_table, measure_ms, output_dir,
                                write_csv, write_markdown)
-from benchmarks.distributed import run_ranks, single_process_group
 from benchmarks.step import _model, _wrap
+from flashfsdp_dev.ranks import run_ranks, single_process_group
 
 SYSTEMS = {  # name: (how the model is sharded, how the optimizer is built)
     "flashfsdp flat AdamW": ("flashfsdp", "flat"),

@@ -50,12 +50,12 @@ import time
 import torch
 import torch.nn as nn
 
+from benchmarks import plots
+from benchmarks.backward_all_gather import flashfsdp_backward_bytes, fsdp2_backward_bytes
 from benchmarks.common import (add_output_arguments, bar_chart, device_setup, environment_columns, format_table,
                                output_dir, write_csv, write_markdown)
-from benchmarks import plots
-from benchmarks.distributed import run_ranks, single_process_group
-from benchmarks.backward_all_gather import flashfsdp_backward_bytes, fsdp2_backward_bytes
 from flashfsdp.runtime.memory import PeakMemoryMeter
+from flashfsdp_dev.ranks import run_ranks, single_process_group
 
 SYSTEMS = ("flashfsdp", "fsdp2", "ddp", "unsharded")
 # Run only when named in --systems: flashfsdp with all_gather_dtype=torch.int8 (ZeRO++ qwZ).

@@ -4,10 +4,11 @@
 ``fn(rank, world_size, *args)`` inside an initialised gloo process group and its return value
 (anything ``torch.save`` takes) comes back in a list indexed by rank. An exception on any rank
 fails the call with that rank's traceback; a rank that hangs is killed after ``timeout`` seconds.
-The processes are started by the benchmarks' spawner (``benchmarks.distributed.spawn_ranks``),
-with one intra-op thread per rank, forked from a server that imported :data:`PRELOAD` once
-(:func:`start_method`): a fresh interpreter importing torch and flashfsdp costs ~2.5 s of CPU per
-rank, which over the suite's hundreds of ranks was most of its CPU time.
+The processes are started by the one spawner of the tests and the benchmarks
+(``flashfsdp_dev.ranks.spawn_ranks``), with one intra-op thread per rank, forked from a server
+that imported :data:`PRELOAD` once (:func:`start_method`): a fresh interpreter importing torch and
+flashfsdp costs ~2.5 s of CPU per rank, which over the suite's hundreds of ranks was most of its
+CPU time.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-from benchmarks.distributed import RanksFailed, spawn_ranks
+from flashfsdp_dev.ranks import RanksFailed, spawn_ranks
 
 # Imported once by the forkserver; the test modules themselves are imported in each rank.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.testing._internal.common_fsdp",

@@ -176,7 +176,7 @@ def test_composable_registry():
 
 
 def test_process_groups_are_registered_until_destroyed():
-    from benchmarks.distributed import single_process_group  # noqa: PLC0415
+    from flashfsdp_dev.ranks import single_process_group  # noqa: PLC0415
 
     with single_process_group():
         world = dist.group.WORLD
@@ -199,7 +199,7 @@ def test_dtensor_spec_and_local_tensor_slot():
     # A DTensor built from a DTensorSpec (mesh, placements, tensor_meta=TensorMeta(shape, stride,
     # dtype)) over a wrapper subclass, as runtime/sharding_spec.py builds the sharded parameters,
     # and its local tensor read and re-pointed through the ``_local_tensor`` slot.
-    from benchmarks.distributed import single_process_group  # noqa: PLC0415
+    from flashfsdp_dev.ranks import single_process_group  # noqa: PLC0415
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
 

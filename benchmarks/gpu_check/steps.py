@@ -78,7 +78,7 @@ def pytest_step(ctx: Context) -> Outcome:
 def _spawn(world_size: int, backend: str, *args, env: dict | None = None, **kwargs) -> list:
     """``training.train_losses(rank, W, *args, **kwargs)`` on ``world_size`` fresh ranks, with
     ``env`` set in their environment (the spawned ranks read it at start: the allocator's)."""
-    from benchmarks.distributed import spawn_ranks  # noqa: PLC0415
+    from flashfsdp_dev.ranks import spawn_ranks  # noqa: PLC0415
 
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})

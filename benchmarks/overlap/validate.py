@@ -9,9 +9,9 @@ import os
 import statistics
 import time
 
-from benchmarks.distributed import run_ranks
 from flashfsdp import sim
 from flashfsdp.sim import calibrate
+from flashfsdp_dev.ranks import run_ranks
 
 from .measure import DEFAULT, SCHEDULES, Config, measure_rank
 

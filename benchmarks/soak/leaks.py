@@ -16,8 +16,8 @@ import contextlib
 import gc
 
 from benchmarks.common import memory_verdict
-from benchmarks.distributed import spawn_ranks
 from benchmarks.soak import workload
+from flashfsdp_dev.ranks import spawn_ranks
 
 WORLD_SIZE = 2
 # Resident-memory growth over the second half of a run that counts as a leak (MiB).

@@ -1,6 +1,6 @@
 """Run W ranks that must each end on their own, and record how and when each one ended.
 
-``benchmarks.distributed.spawn_ranks`` (the spawner of the other benchmarks and of the tests)
+``flashfsdp_dev.ranks.spawn_ranks`` (the spawner of the other benchmarks and of the tests)
 stops every rank as soon as one fails, which is what a test wants but hides what a fault
 benchmark measures: whether the other ranks notice the failure themselves (an error from their
 next collective, or the process group's timeout) and end, or hang. So here every rank runs in its

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from benchmarks.common import environment_columns
-from benchmarks.distributed import run_ranks
 from benchmarks.step import COLUMNS, SYSTEMS, main, parse_args
+from flashfsdp_dev.ranks import run_ranks
 
 TOY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "1",
        "--warmup", "1", "--profile-steps", "1", "--rounds", "1"]

@@ -3,9 +3,10 @@
 The ported FSDP2 suite has well over a hundred (case, implementation) pairs; spawning W fresh
 processes for each would cost minutes of interpreter start-up alone. So a test module declares its
 cases with :meth:`CaseSet.case`, and the first pytest test of a (module, world size) pair runs every
-case of that pair, for ``torch`` and for ``flashfsdp``, in one set of W ranks (``tests.harness``'
-gloo group), one after another. Each case starts from the same seed whatever ran before it. The
-ranks are forked from a server that imported torch and flashfsdp once (``tests.harness.start_method``).
+case of that pair, for ``torch`` and for ``flashfsdp``, in one set of W gloo ranks
+(``flashfsdp_dev.ranks.spawn_ranks``, one intra-op thread each, the reference kernels), one after
+another. Each case starts from the same seed whatever ran before it. The ranks are forked from a
+server that imported torch and flashfsdp once (``tests.harness.start_method``).
 
 A case that raises on one rank leaves the other ranks inside collectives that will never match, so
 the rank that failed records its traceback and exits at once; the ranks that remain are killed,
@@ -19,19 +20,17 @@ types, placements and shapes, and the state-dict value types cases record) with 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import importlib
 import os
 import tempfile
-import time
 import traceback
 from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from flashfsdp_dev.ranks import RanksFailed, spawn_ranks
 from tests.harness import start_method
 
 IMPLS = ("torch", "flashfsdp")
@@ -179,34 +178,15 @@ def _load(tmp: str, rank: int, index: int):
 
 
 def _spawn(module_name: str, jobs: list[tuple[str, str]], world_size: int, tmp: str) -> None:
-    ctx = mp.start_processes(_worker, args=(world_size, module_name, jobs, tmp), nprocs=world_size,
-                             join=False, start_method=start_method())
-    deadline = time.monotonic() + _TIMEOUT_S
+    """Run ``jobs`` on one set of ranks until one fails or hangs; what each rank finished is in ``tmp``."""
     try:
-        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                break
-    except mp.ProcessExitedException:
-        pass  # a case failed on some rank: its traceback is on disk
-    except mp.ProcessRaisedException:
-        pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        for p in ctx.processes:
-            p.join()
+        spawn_ranks(_run_jobs, world_size, (module_name, jobs, tmp), threads=1, kernels="reference",
+                    timeout=_TIMEOUT_S, start_method=start_method())
+    except (RanksFailed, TimeoutError):
+        pass  # a case failed on some rank (its traceback is on disk) or hung: the ranks are gone
 
 
-def _worker(rank: int, world_size: int, module_name: str, jobs, tmp: str) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ["RANK"] = str(rank)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank,
-                            world_size=world_size)
-    from flashfsdp.kernels.dispatch import use_backend  # noqa: PLC0415
-
+def _run_jobs(rank: int, world_size: int, module_name: str, jobs, tmp: str) -> None:
     from .common import impl_named  # noqa: PLC0415
 
     cases: CaseSet = importlib.import_module(module_name).cases
@@ -216,12 +196,9 @@ def _worker(rank: int, world_size: int, module_name: str, jobs, tmp: str) -> Non
             torch.manual_seed(0)
             impl_obj = impl_named(impl)
             impl_obj.take_type_log()
-            with use_backend("reference"):
-                result = cases.cases[name].fn(rank, world_size, impl_obj)
+            result = cases.cases[name].fn(rank, world_size, impl_obj)
             _save({"ok": result, "types": impl_obj.take_type_log()}, path)
             dist.barrier()
         except BaseException:
             _save({"error": traceback.format_exc()}, path)
             os._exit(1)  # the other ranks may be inside a collective: do not try to resume
-    gc.collect()  # the cases' models before their process group (see benchmarks/distributed.py)
-    dist.destroy_process_group()

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.distributed import single_process_group
 from flashfsdp.runtime import nccl
 from flashfsdp.runtime.communicator import LocalCommunicator
 from flashfsdp.runtime.process_group import ProcessGroupCommunicator
+from flashfsdp_dev.ranks import single_process_group
 from tests.harness import run_distributed
 
 

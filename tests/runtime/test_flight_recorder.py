@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 
-from benchmarks.distributed import single_process_group
 from flashfsdp.debug import diagnose, find_dumps
 from flashfsdp.debug.__main__ import main as debug_main
 from flashfsdp.runtime import flight, flight_dump
 from flashfsdp.runtime.flight_report import describe, first_divergence, position_of
+from flashfsdp_dev.ranks import single_process_group
 
 
 @pytest.fixture(autouse=True)

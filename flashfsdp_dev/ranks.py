@@ -1,15 +1,17 @@
-"""Run a function on W local ranks (torch.multiprocessing spawn, gloo or NCCL): the one spawner of
-the benchmarks and of the test harness (``tests.harness.run_distributed``).
+"""Run a function on W local ranks (torch.multiprocessing, gloo or NCCL): the one spawner of the
+tests (``tests.harness.run_distributed``, the ported suites' ``tests.fsdp2_suite.runner``) and of
+the benchmarks.
 
 ``spawn_ranks(fn, W, args)`` starts W processes; rank r joins a process group over a file store
 and calls ``fn(rank, W, *args)``; the return values (anything ``torch.save`` takes) come back as a
-list by rank. A rank that raises fails the call with every failed rank's traceback
+list by rank. A rank that raises or exits fails the call with every failed rank's traceback
 (:class:`RanksFailed`); ranks still running after ``timeout`` seconds are killed.
 
 ``run_ranks(fn, W, *args)`` is the benchmarks' front end. For quick W = 1 runs,
 ``run_ranks(..., in_process=True)`` inside :func:`single_process_group` calls ``fn(0, 1, *args)`` in
 this process instead (no process start-up, but every call shares the process: its memory, its
-caches, its imported modules).
+caches, its imported modules). :func:`single_process_group` also serves the tests that need a
+one-rank group in the test process itself.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def spawn_ranks(fn, world_size: int, args: tuple = (), *, backend: str = "gloo",
             started by the first call; the ranks get this process's environment as it is now).
 
     Raises:
-        RanksFailed: a rank raised (the message holds the tracebacks of the ranks that did).
+        RanksFailed: a rank raised or exited with a nonzero code (the message holds the tracebacks
+            of the ranks that raised, else which rank exited how).
         TimeoutError: ranks still running after ``timeout`` seconds.
     """
     setup = _RankSetup(backend, threads, kernels, None if start_method == "spawn" else dict(os.environ))
@@ -115,12 +118,14 @@ def spawn_ranks(fn, world_size: int, args: tuple = (), *, backend: str = "gloo",
             while not ctx.join(timeout=None if deadline is None else max(0.1, deadline - time.monotonic())):
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"ranks still running after {timeout} s")
-        except mp.ProcessRaisedException as exc:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # raised; or exited nonzero (os._exit)
             raise RanksFailed("\n".join(_rank_errors(tmp, world_size)) or str(exc)) from None
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+            for p in ctx.processes:
+                p.join()
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)["ok"] for r in range(world_size)]
 
 

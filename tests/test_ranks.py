@@ -1,0 +1,33 @@
+"""flashfsdp_dev.ranks: the spawner (through tests.harness) reports a failing rank's traceback, and a
+rank that exits without one (``os._exit``, as the ported suites' runner does) by its exit code."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flashfsdp_dev.ranks import RanksFailed, spawn_ranks
+from tests.harness import run_distributed, start_method
+
+
+def _fails_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError(f"rank {rank} of {world_size} fails")
+    return rank
+
+
+def test_a_failing_rank_fails_the_call_with_its_traceback():
+    with pytest.raises(AssertionError, match=r"(?s)--- rank 1 ---.*ValueError: rank 1 of 2 fails"):
+        run_distributed(_fails_on_rank_1, 2, timeout=120)
+
+
+def _exits_on_rank_0(rank: int, world_size: int) -> int:
+    if rank == 0:
+        os._exit(3)
+    return rank
+
+
+def test_a_rank_that_exits_fails_the_call_with_its_exit_code():
+    with pytest.raises(RanksFailed, match="exit code 3"):
+        spawn_ranks(_exits_on_rank_0, 2, threads=1, timeout=120, start_method=start_method())
