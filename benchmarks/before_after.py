@@ -26,7 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import add_output_arguments, environment, format_table, output_dir, write_csv, write_markdown
+from benchmarks.environment import environment
+from benchmarks.outputs import add_output_arguments, output_dir
+from benchmarks.tables import format_table, write_csv, write_markdown
 
 HERE = Path(__file__).resolve().parent.parent
 

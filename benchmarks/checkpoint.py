@@ -44,9 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.common import (add_output_arguments, bar_chart, device_setup, environment_columns, format_table,
-                               memory_verdict, output_dir, write_csv, write_markdown)
+from benchmarks.environment import device_setup, environment_columns
+from benchmarks.outputs import add_output_arguments, output_dir
+from benchmarks.plots import bar_chart
 from benchmarks.step import _model, _wrap
+from benchmarks.tables import format_table, memory_verdict, write_csv, write_markdown
 from flashfsdp.runtime.memory import PeakMemoryMeter
 from flashfsdp_dev.ranks import run_ranks
 

@@ -19,7 +19,9 @@ import time
 
 import torch
 
-from benchmarks.common import add_output_arguments, environment, format_table, output_dir, write_csv, write_markdown
+from benchmarks.environment import environment
+from benchmarks.outputs import add_output_arguments, output_dir
+from benchmarks.tables import format_table, write_csv, write_markdown
 
 COMMANDS = (
     ("flashfsdp-train --help", ["-m", "flashfsdp_cli.train", "--help"], 0),

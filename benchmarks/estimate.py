@@ -23,8 +23,9 @@ from flashfsdp.bindings.mixed_precision import MixedPrecisionPolicy
 from flashfsdp.estimate import estimate, model_params, zero3_model_states
 from flashfsdp.models import PRESETS, Llama
 
-from .common import (add_output_arguments, environment, environment_columns, format_table, output_dir, write_csv,
-                     write_markdown)
+from .environment import environment, environment_columns
+from .outputs import add_output_arguments, output_dir
+from .tables import format_table, write_csv, write_markdown
 
 GIB = 2**30
 WORLD_SIZES = (8, 64, 512)

@@ -32,8 +32,10 @@ import tracemalloc
 import torch
 import torch.nn as nn
 
-from benchmarks.common import add_output_arguments, environment, format_table, output_dir, write_csv, write_markdown
+from benchmarks.environment import environment
+from benchmarks.outputs import add_output_arguments, output_dir
 from benchmarks.step import HOST_BOUND
+from benchmarks.tables import format_table, write_csv, write_markdown
 from flashfsdp_dev.ranks import run_ranks
 
 COLUMNS = ("record_us", "hook_us", "collectives_per_step", "hooks_per_step", "step_ms", "bound_us", "bound_pct",

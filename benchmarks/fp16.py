@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_output_arguments, environment, format_table, output_dir, write_csv, write_markdown
+from benchmarks.environment import environment
+from benchmarks.outputs import add_output_arguments, output_dir
+from benchmarks.tables import format_table, write_csv, write_markdown
 
 COLUMNS = ["param_dtype", "steps", "val_loss", "vs_bf16", "overflow_steps", "tokens_per_s", "wall_s"]
 TARGET = 0.02  # float16's final validation loss within 2% of bfloat16's

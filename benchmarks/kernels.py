@@ -34,7 +34,11 @@ from typing import Callable
 import torch
 
 import flashfsdp.kernels as kernels
-from benchmarks import common
+from benchmarks import plots
+from benchmarks.environment import Environment, environment, environment_columns
+from benchmarks.outputs import add_output_arguments, output_dir
+from benchmarks.tables import format_table, write_csv, write_markdown
+from benchmarks.timing import gigabytes_per_second, measure_ms
 from flashfsdp.kernels import dispatch
 
 WORLD_SIZE = 8
@@ -74,7 +78,7 @@ def _path_label(device: torch.device) -> str:
 class Bench:
     """Times implementations of one job and turns them into rows (with copy ceiling and speedup)."""
 
-    def __init__(self, device: torch.device, env: common.Environment, repeats: int):
+    def __init__(self, device: torch.device, env: Environment, repeats: int):
         self.device = device
         self.env = env
         self.repeats = repeats
@@ -82,7 +86,7 @@ class Bench:
         self._copy_ms: dict[int, float] = {}
 
     def time(self, fn: Callable[[], object]) -> float:
-        return common.measure_ms(fn, self.device, repeats=self.repeats)
+        return measure_ms(fn, self.device, repeats=self.repeats)
 
     def copy_ms(self, n_bytes: int) -> float:
         """The copy ceiling's time: the best of the repeats of ``dst.copy_(src)`` reading n_bytes/2
@@ -90,8 +94,8 @@ class Bench:
         if n_bytes not in self._copy_ms:
             src = torch.empty(n_bytes // 2, dtype=torch.uint8, device=self.device)
             dst = torch.empty_like(src)
-            self._copy_ms[n_bytes] = common.measure_ms(lambda: dst.copy_(src), self.device, repeats=self.repeats,
-                                                       best=True)
+            self._copy_ms[n_bytes] = measure_ms(lambda: dst.copy_(src), self.device, repeats=self.repeats,
+                                                best=True)
             del src, dst
         return self._copy_ms[n_bytes]
 
@@ -102,14 +106,14 @@ class Bench:
         times = {"flashfsdp": self.time(flashfsdp)}
         times.update({name: self.time(fn) for name, fn in baselines.items()})
         best_torch = min(times[name] for name in baselines)
-        ceiling = common.gigabytes_per_second(ceiling_bytes, self.copy_ms(ceiling_bytes))
+        ceiling = gigabytes_per_second(ceiling_bytes, self.copy_ms(ceiling_bytes))
         rows = [self._row(op, case, dtypes, impl, n_bytes, ms, ceiling, best_torch / ms) for impl, ms in times.items()]
         rows.append(self._row(op, case, dtypes, "copy ceiling", ceiling_bytes, self.copy_ms(ceiling_bytes), ceiling,
                               float("nan")))
         return rows
 
     def _row(self, op, case, dtypes, impl, n_bytes, ms, ceiling_gbps, speedup) -> dict:
-        gbps = common.gigabytes_per_second(n_bytes, ms)
+        gbps = gigabytes_per_second(n_bytes, ms)
         return {"op": op, "case": case, "dtypes": dtypes, "impl": impl,
                 "path": self.flashfsdp_path if impl == "flashfsdp" else "torch",
                 "bytes": n_bytes, "MB": n_bytes / 1e6, "time_ms": ms, "GB/s": gbps, "%copy": 100.0 * gbps / ceiling_gbps,
@@ -215,7 +219,7 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: steadier timings on a shared machine)")
     parser.add_argument("--no-save", action="store_true", help="print only; write no result files")
-    common.add_output_arguments(parser)
+    add_output_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -230,16 +234,16 @@ def main(argv=None) -> list[dict]:
         rows, env, path = run(args, device)
     finally:
         torch.set_num_threads(threads)
-    print(common.format_table(rows, COLUMNS))
+    print(format_table(rows, COLUMNS))
     if not args.no_save:
-        save(rows, env, path, common.output_dir(env.slug, out=args.out, record=args.record))
+        save(rows, env, path, output_dir(env.slug, out=args.out, record=args.record))
     return rows
 
 
-def run(args, device: torch.device) -> tuple[list[dict], common.Environment, str]:
+def run(args, device: torch.device) -> tuple[list[dict], Environment, str]:
     sizes = args.sizes or ([1024] if args.quick or device.type == "cpu" else [1024, 4096, 8192])
     repeats = args.repeats or (3 if args.quick else 7)
-    env = common.environment(device)
+    env = environment(device)
     bench = Bench(device, env, repeats)
     print(f"{env.device_name} · torch {env.torch_version} · triton {env.triton_version} · "
           f"flashfsdp path: {bench.flashfsdp_path}")
@@ -254,10 +258,10 @@ def run(args, device: torch.device) -> tuple[list[dict], common.Environment, str
     return rows, env, bench.flashfsdp_path
 
 
-def save(rows: list[dict], env: common.Environment, flashfsdp_path: str, directory: Path) -> None:
+def save(rows: list[dict], env: Environment, flashfsdp_path: str, directory: Path) -> None:
     """Write kernels.csv, kernels.md and kernels.png into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    common.write_csv(rows, directory / "kernels.csv")
+    write_csv(rows, directory / "kernels.csv")
     notes = [
         f"flashfsdp path: {flashfsdp_path}.",
         "MB: bytes read + written by the job (10^6); GB/s: 10^9 bytes/s; %copy: this row's GB/s over the copy "
@@ -267,8 +271,8 @@ def save(rows: list[dict], env: common.Environment, flashfsdp_path: str, directo
         f"accumulate_grad_shard works on one rank's shard (unit / {WORLD_SIZE}), accumulate=True, "
         f"scale=1/{WORLD_SIZE}; torch._chunk_cat uses num_chunks={WORLD_SIZE}.",
     ]
-    common.write_markdown(rows, COLUMNS + common.environment_columns(), directory / "kernels.md",
-                          title="flashfsdp kernel benchmark", env=env, notes=notes)
+    write_markdown(rows, COLUMNS + environment_columns(), directory / "kernels.md",
+                   title="flashfsdp kernel benchmark", env=env, notes=notes)
     plot(rows, directory / "kernels.png", title=f"flashfsdp kernels ({flashfsdp_path}) · {env.device_name}")
     print(f"wrote {directory}/kernels.csv, kernels.md, kernels.png")
 
@@ -289,9 +293,9 @@ def plot(rows: list[dict], path: Path, *, title: str):
             series["best torch"].append(max(row["GB/s"] for row in torch_rows))
             ceilings[op].append(next(row["GB/s"] for row in group_rows if row["impl"] == "copy ceiling"))
         panels[op] = (groups, series)
-    return common.bar_chart(path, panels, ylabel="GB/s (log scale)", xlabel="case and dtypes (input -> output)",
-                            title=title, log=True, ceilings=ceilings,
-                            ceiling_label="copy ceiling (dst.copy_(src), fp32->fp32 job's bytes)")
+    return plots.bar_chart(path, panels, ylabel="GB/s (log scale)", xlabel="case and dtypes (input -> output)",
+                           title=title, log=True, ceilings=ceilings,
+                           ceiling_label="copy ceiling (dst.copy_(src), fp32->fp32 job's bytes)")
 
 
 if __name__ == "__main__":

@@ -33,9 +33,12 @@ import statistics
 import torch
 import torch.nn as nn
 
-from benchmarks.common import (add_output_arguments, bar_chart, device_setup, environment_columns, format_table, measure_ms, output_dir,
-                               write_csv, write_markdown)
+from benchmarks.environment import device_setup, environment_columns
+from benchmarks.outputs import add_output_arguments, output_dir
+from benchmarks.plots import bar_chart
 from benchmarks.step import _model, _wrap
+from benchmarks.tables import format_table, write_csv, write_markdown
+from benchmarks.timing import measure_ms
 from flashfsdp_dev.ranks import run_ranks, single_process_group
 
 SYSTEMS = {  # name: (how the model is sharded, how the optimizer is built)

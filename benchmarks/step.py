@@ -52,8 +52,9 @@ import torch.nn as nn
 
 from benchmarks import plots
 from benchmarks.backward_all_gather import flashfsdp_backward_bytes, fsdp2_backward_bytes
-from benchmarks.common import (add_output_arguments, bar_chart, device_setup, environment_columns, format_table,
-                               output_dir, write_csv, write_markdown)
+from benchmarks.environment import device_setup, environment_columns
+from benchmarks.outputs import add_output_arguments, output_dir
+from benchmarks.tables import format_table, write_csv, write_markdown
 from flashfsdp.runtime.memory import PeakMemoryMeter
 from flashfsdp_dev.ranks import run_ranks, single_process_group
 
@@ -238,7 +239,7 @@ def _plot(path, rows: list[dict], spreads: dict[str, dict[str, tuple[float, floa
     def spread(key: str) -> list[tuple[float, float]]:
         return [spreads[name][key] for name in names]
 
-    return bar_chart(path, {
+    return plots.bar_chart(path, {
         "step time (ms)": (names, {"step_ms": [r["step_ms"] for r in rows]}, {"step_ms": spread("step_ms")}),
         "communication overhead per step (ms)": (names, {
             "step - unsharded step": [r["overhead_ms"] for r in rows],

@@ -30,7 +30,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import common
+from benchmarks.environment import Environment, environment
+from benchmarks.gpu_check.steps import STEPS, Context, Outcome
+from benchmarks.outputs import add_output_arguments, output_dir
+from benchmarks.tables import write_markdown
 from benchmarks.gpu_check.steps import STEPS, Context, Outcome
 
 # Seconds each step is expected to need on an H100; a step starts only with that much budget left.
@@ -45,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS), help="default: all, in order")
     parser.add_argument("--quick", action="store_true", help="smaller cases (a smoke test of the command)")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
-    common.add_output_arguments(parser)
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     if not args.budget > 0:
         parser.error(f"--budget must be > 0 seconds, got {args.budget}")
@@ -72,7 +75,7 @@ def run_steps(names: list[str], ctx: Context, deadline: float, clock=time.monoto
     return results
 
 
-def write(results: dict[str, dict], env: common.Environment, out: Path) -> None:
+def write(results: dict[str, dict], env: Environment, out: Path) -> None:
     """``gpu_check.json`` (everything) and ``gpu_check.md`` (environment and one row per step)."""
     out.mkdir(parents=True, exist_ok=True)
     document = {"device": env.device_name, "date": env.date, "torch": env.torch_version, "triton": env.triton_version,
@@ -81,16 +84,16 @@ def write(results: dict[str, dict], env: common.Environment, out: Path) -> None:
     rows = [{"step": name, "status": r["status"], "seconds": r["seconds"], "detail": r["detail"]}
             for name, r in results.items()]
     notes = [f"{key}: {value}" for key, value in document["environment"].items()]
-    common.write_markdown(rows, ["step", "status", "seconds", "detail"], out / "gpu_check.md",
-                          title="flashfsdp GPU check", env=env, notes=notes)
+    write_markdown(rows, ["step", "status", "seconds", "detail"], out / "gpu_check.md",
+                   title="flashfsdp GPU check", env=env, notes=notes)
 
 
 def main(argv=None) -> int:
     """Run the check (see the module docstring); returns the exit status (1 if a step failed)."""
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    env = common.environment(torch.device("cuda", 0) if cuda else torch.device("cpu"))
-    out = common.output_dir(env.slug, out=args.out, record=args.record)
+    env = environment(torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    out = output_dir(env.slug, out=args.out, record=args.record)
     deadline = time.monotonic() + args.budget
     ctx = Context(out=out, cuda=cuda, seconds_left=lambda: deadline - time.monotonic(), quick=args.quick)
     results = run_steps(args.steps, ctx, deadline)

@@ -8,8 +8,10 @@ import math
 
 import torch
 
-from benchmarks.common import add_output_arguments, environment, format_table, output_dir
+from benchmarks.environment import environment
+from benchmarks.outputs import add_output_arguments, output_dir
 from benchmarks.overlap import __doc__ as _PACKAGE_DOC
+from benchmarks.tables import format_table
 from flashfsdp import sim
 
 from .measure import CONFIGS, QUICK_CONFIGS

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks import plots
-from benchmarks.common import environment_columns, format_table, markdown_table, write_csv, write_markdown
+from benchmarks.environment import environment_columns
+from benchmarks.tables import format_table, markdown_table, write_csv, write_markdown
 from flashfsdp import sim
 
 from .measure import PROBE_BYTES, QUICK_PROBE_BYTES, Config

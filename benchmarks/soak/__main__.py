@@ -13,11 +13,12 @@ import tempfile
 
 import torch
 
-from benchmarks.common import (add_output_arguments, device_setup, environment_columns, format_table, output_dir,
-                               write_csv, write_markdown)
+from benchmarks.environment import device_setup, environment_columns
+from benchmarks.outputs import add_output_arguments, output_dir
 from benchmarks.soak.disagreements import DISAGREEMENTS, QUICK_DISAGREEMENT, run_disagreement
 from benchmarks.soak.faults import FAULTS, TARGET_SLACK_S, run_fault
 from benchmarks.soak.leaks import LEAK_RSS_MIB, run_soak, sample_steps
+from benchmarks.tables import format_table, write_csv, write_markdown
 
 FAULT_COLUMNS = ["fault", "victim", "fault_reached", "rank0", "rank0_error_s", "rank0_destroyed_s", "rank0_end_s",
                  "rank1", "rank1_error_s", "rank1_destroyed_s", "rank1_end_s", "all_ended", "loaded_step", "expected_step", "load_ok",

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import gc
 
-from benchmarks.common import memory_verdict
 from benchmarks.soak import workload
+from benchmarks.tables import memory_verdict
 from flashfsdp_dev.ranks import spawn_ranks
 
 WORLD_SIZE = 2

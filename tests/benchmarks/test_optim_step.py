@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from benchmarks.common import environment_columns
+from benchmarks.environment import environment_columns
 from benchmarks.optim_step import COLUMNS, SYSTEMS, main, parse_args
 
 

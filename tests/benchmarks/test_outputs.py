@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from benchmarks import common
+from benchmarks import outputs
 
 # Every benchmark's command line (module, the function taking argv).
 MODULES = ["benchmarks.kernels", "benchmarks.step", "benchmarks.checkpoint", "benchmarks.optim_step",
@@ -17,23 +17,23 @@ MODULES = ["benchmarks.kernels", "benchmarks.step", "benchmarks.checkpoint", "be
 
 def test_default_is_untracked_scratch_under_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(common, "RESULTS_ROOT", tmp_path / "committed")
-    path = common.output_dir("cpu")
+    monkeypatch.setattr(outputs, "RESULTS_ROOT", tmp_path / "committed")
+    path = outputs.output_dir("cpu")
     assert path == tmp_path / "bench-results" / "cpu" and path.is_dir()
     assert not (tmp_path / "committed").exists()
 
 
 def test_record_writes_the_committed_tables_and_out_wins_otherwise(tmp_path, monkeypatch):
-    monkeypatch.setattr(common, "RESULTS_ROOT", tmp_path / "committed")
-    assert common.output_dir("cpu", record=True) == tmp_path / "committed" / "cpu"
-    assert common.output_dir("cpu", out=str(tmp_path / "mine")) == tmp_path / "mine"
+    monkeypatch.setattr(outputs, "RESULTS_ROOT", tmp_path / "committed")
+    assert outputs.output_dir("cpu", record=True) == tmp_path / "committed" / "cpu"
+    assert outputs.output_dir("cpu", out=str(tmp_path / "mine")) == tmp_path / "mine"
     with pytest.raises(ValueError, match=r"give out .* or record=True, not both"):
-        common.output_dir("cpu", out=tmp_path, record=True)
+        outputs.output_dir("cpu", out=tmp_path, record=True)
 
 
 def test_the_committed_folder_is_the_one_in_the_repository_and_scratch_is_ignored():
-    root = common.RESULTS_ROOT.parent.parent
-    assert common.RESULTS_ROOT == root / "benchmarks" / "results"
+    root = outputs.RESULTS_ROOT.parent.parent
+    assert outputs.RESULTS_ROOT == root / "benchmarks" / "results"
     assert "/bench-results/" in (root / ".gitignore").read_text().splitlines()
 
 
@@ -50,7 +50,7 @@ def test_a_default_run_leaves_the_committed_tables_alone(tmp_path, monkeypatch):
     """benchmarks.estimate (shapes on the meta device, a few seconds) end to end."""
     estimate = importlib.import_module("benchmarks.estimate")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(common, "RESULTS_ROOT", tmp_path / "committed")
+    monkeypatch.setattr(outputs, "RESULTS_ROOT", tmp_path / "committed")
     rows = estimate.main([])
     assert rows and sorted(p.name for p in (tmp_path / "bench-results" / "cpu").iterdir()) == ["estimate.csv",
                                                                                                "estimate.md"]

@@ -14,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.collections import LineCollection  # noqa: E402
 from matplotlib.container import BarContainer  # noqa: E402
 
-from benchmarks import checkpoint, common, kernels, plots, step  # noqa: E402
+from benchmarks import checkpoint, kernels, plots, step, tables  # noqa: E402
 from benchmarks.overlap import report  # noqa: E402
 
 
@@ -122,8 +122,8 @@ def test_overlap_validation_timelines_have_legends_beside_them(tmp_path):
 
 
 def test_checkpoint_plot_and_the_memory_verdict(tmp_path):
-    assert common.memory_verdict(12.34, 45.6, "rank 0") == "rank 0: growth 12.3 MiB ≤ bound 45.6 MiB"
-    assert common.memory_verdict(50.0, 45.6) == "growth 50.0 MiB > bound 45.6 MiB (over)"
+    assert tables.memory_verdict(12.34, 45.6, "rank 0") == "rank 0: growth 12.3 MiB ≤ bound 45.6 MiB"
+    assert tables.memory_verdict(50.0, 45.6) == "growth 50.0 MiB > bound 45.6 MiB (over)"
     rows = [{"system": system, "state_dict": kind, "op": op, "ms": 10.0, "growth_MiB": 3.0,
              "bound_MiB": "4.0 / 5.0" if kind == "full" and system == "flashfsdp" else ""}
             for system in ("flashfsdp", "fsdp2") for kind in ("sharded", "full") for op in ("save", "load")]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from benchmarks.common import environment_columns
+from benchmarks.environment import environment_columns
 from benchmarks.step import COLUMNS, SYSTEMS, main, parse_args
 from flashfsdp_dev.ranks import run_ranks
 

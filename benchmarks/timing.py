@@ -1,0 +1,40 @@
+"""Timing an operation (:func:`measure_ms`: ``triton.testing.do_bench`` on CUDA, the median of
+``time.perf_counter`` intervals on CPU) and the throughput it reaches."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def measure_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 7,
+               cuda_warmup_ms: int = 25, cuda_rep_ms: int = 100, best: bool = False) -> float:
+    """Median (``best``: minimum) wall time of ``fn()`` in milliseconds.
+
+    CUDA: ``triton.testing.do_bench`` (L2 flushed between runs, CUDA events); host-side launch
+    overhead shows up when it exceeds the GPU time. CPU: ``warmup`` untimed calls, then the median
+    (minimum) of ``repeats`` ``time.perf_counter`` intervals. The minimum is for ceilings: the best
+    a reference operation reaches, which the measured ones are compared against.
+    """
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=cuda_warmup_ms, rep=cuda_rep_ms,
+                                             return_mode="min" if best else "median"))
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return min(samples) if best else statistics.median(samples)
+
+
+def gigabytes_per_second(n_bytes: int, ms: float) -> float:
+    """Throughput in GB/s (10^9 bytes per second)."""
+    return n_bytes / (ms * 1e-3) / 1e9 if ms > 0 else math.inf
