@@ -19,7 +19,7 @@ import flashfsdp
 from flashfsdp import checkpoint
 from flashfsdp.kernels.dispatch import use_backend
 from flashfsdp.models.llama import Llama, LlamaConfig
-from tests.bindings.checkpointing import sharded_mlp
+from tests.checkpoint.common import sharded_mlp
 from tests.harness import run_distributed
 from tests.models import llama_units, loss_fn, make_batch
 from tests.training import (gather_full_optimizer_state, gather_full_params, local_rows, make_model, train_flashfsdp,

@@ -19,7 +19,7 @@ import pytest
 from flashfsdp import checkpoint
 from flashfsdp.checkpoint import atomic
 from flashfsdp.checkpoint.marker import MARKER, complete_marker
-from tests.bindings.checkpointing import assert_values, local_values, reference_kernels, sharded_mlp  # noqa: F401
+from tests.checkpoint.common import assert_values, local_values, reference_kernels, sharded_mlp  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from flashfsdp import checkpoint
 from flashfsdp.checkpoint import atomic
-from tests.bindings.checkpointing import assert_values, local_values, reference_kernels, sharded_mlp  # noqa: F401
+from tests.checkpoint.common import assert_values, local_values, reference_kernels, sharded_mlp  # noqa: F401
 
 
 def _disk_full(*args, **kwargs):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from flashfsdp import checkpoint
 from flashfsdp.checkpoint import atomic, checksums
-from tests.bindings.checkpointing import assert_values, local_values, sharded_mlp
+from tests.checkpoint.common import assert_values, local_values, sharded_mlp
 from tests.harness import run_distributed
 
 TIMEOUT_S = 120  # generous for process start-up on a busy machine; a hang never ends
