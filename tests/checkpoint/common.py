@@ -1,20 +1,11 @@
-"""Helpers of the checkpoint tests: small sharded models, their values, the reference kernels."""
+"""Helpers of the checkpoint tests: small sharded models and their values."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import flashfsdp
-from flashfsdp.kernels.dispatch import use_backend
 from tests.models import make_mlp
-
-
-@pytest.fixture
-def reference_kernels():
-    """The plain-torch kernels (the Triton interpreter is slow and beside the point here)."""
-    with use_backend("reference"):
-        yield
 
 
 def sharded_mlp(seed: int = 0):

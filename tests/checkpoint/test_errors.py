@@ -13,14 +13,7 @@ import torch
 
 import flashfsdp
 from flashfsdp import checkpoint
-from flashfsdp.kernels.dispatch import use_backend
 from tests.models import llama_units, loss_fn, make_batch, make_llama
-
-
-@pytest.fixture(autouse=True)
-def _reference_kernels():
-    with use_backend("reference"):
-        yield
 
 
 def _sharded(seed: int = 0, buffer: bool = False, optimizer=torch.optim.AdamW):

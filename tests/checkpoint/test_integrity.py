@@ -20,9 +20,7 @@ import torch
 
 from flashfsdp import checkpoint
 from flashfsdp.checkpoint.safe_metadata import DisallowedGlobal, SafeFileSystemReader, load_metadata
-from tests.checkpoint.common import assert_values, local_values, reference_kernels, sharded_mlp  # noqa: F401
-
-pytestmark = pytest.mark.usefixtures("reference_kernels")
+from tests.checkpoint.common import assert_values, local_values, sharded_mlp
 PARAM = "blocks.1.up.weight"  # 21 x 13 float32: 1092 bytes
 
 

@@ -14,14 +14,10 @@ import os
 import shutil
 import warnings
 
-import pytest
-
 from flashfsdp import checkpoint
 from flashfsdp.checkpoint import atomic
 from flashfsdp.checkpoint.marker import MARKER, complete_marker
-from tests.checkpoint.common import assert_values, local_values, reference_kernels, sharded_mlp  # noqa: F401
-
-pytestmark = pytest.mark.usefixtures("reference_kernels")
+from tests.checkpoint.common import assert_values, local_values, sharded_mlp
 
 
 class Crash(BaseException):

@@ -17,7 +17,6 @@ import torch
 
 import flashfsdp
 from flashfsdp import checkpoint
-from flashfsdp.kernels.dispatch import use_backend
 from flashfsdp.models.llama import Llama, LlamaConfig
 from tests.checkpoint.common import sharded_mlp
 from tests.harness import run_distributed
@@ -161,13 +160,13 @@ def test_save_at_2_crash_and_resume_at_1_2_4(saved, reference):
     for r in run_distributed(_resume_and_reload, 4, path, out):
         _assert_resumed(r["resumed"], reference)
         _assert_reloaded(r["reloaded"], results[0]["scheduled"])
-    with use_backend("reference"):  # W = 1 in this process, torch.distributed not initialised
-        _assert_resumed(_resume(0, 1, path), reference)
-        _assert_reloaded(_reload_scheduled(out), results[0]["scheduled"])
-        plain = make_model("llama")  # an unwrapped model loads the sharded checkpoint too
-        assert checkpoint.load(path, plain)["step"] == 3
-        for name, p in plain.named_parameters():
-            torch.testing.assert_close(p.detach(), results[0]["first"]["params"][name], rtol=0, atol=0, msg=name)
+    # W = 1 in this process, torch.distributed not initialised
+    _assert_resumed(_resume(0, 1, path), reference)
+    _assert_reloaded(_reload_scheduled(out), results[0]["scheduled"])
+    plain = make_model("llama")  # an unwrapped model loads the sharded checkpoint too
+    assert checkpoint.load(path, plain)["step"] == 3
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(p.detach(), results[0]["first"]["params"][name], rtol=0, atol=0, msg=name)
 
 
 def _sharded_llama(config: LlamaConfig | None = None):
@@ -180,85 +179,82 @@ def _sharded_llama(config: LlamaConfig | None = None):
 def test_damaged_checkpoints_fail_naming_the_problem(saved, tmp_path):
     out, _ = saved
     good = os.path.join(out, "step_3")
-    with use_backend("reference"):
-        model, opt = _sharded_llama()
-        with pytest.raises(FileNotFoundError, match="does_not_exist.*does not exist"):
-            checkpoint.load(str(tmp_path / "does_not_exist"), model, opt)
-        missing_shard = str(tmp_path / "missing_shard")
-        shutil.copytree(good, missing_shard)
-        os.remove(os.path.join(missing_shard, "__1_0.distcp"))
-        with pytest.raises(FileNotFoundError, match="missing_shard is missing the shard file __1_0.distcp"):
-            checkpoint.load(missing_shard, model, opt)
-        partial = str(tmp_path / "partial")
-        shutil.copytree(good, partial)
-        os.remove(os.path.join(partial, checkpoint.MARKER))
-        with pytest.raises(ValueError, match=f"partial is not a complete flashfsdp checkpoint: {checkpoint.MARKER}"):
-            checkpoint.load(partial, model, opt)
-        assert checkpoint.latest(tmp_path) == missing_shard  # the partial one is not complete
-        wider = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
-        other, other_opt = _sharded_llama(wider)
-        with pytest.raises(ValueError, match=r"parameter 'layers\.0\.feed_forward\.w1\.weight' has shape \(40, 32\) "
-                                             r"in checkpoint .* but \(48, 32\) in the model"):
-            checkpoint.load(good, other, other_opt)
-        deeper, deeper_opt = _sharded_llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, ffn_dim=40,
-                                                        max_seq_len=16))
-        with pytest.raises(ValueError, match=r"no entry for parameter 'layers\.2\."):
-            checkpoint.load(good, deeper, deeper_opt)
+    model, opt = _sharded_llama()
+    with pytest.raises(FileNotFoundError, match="does_not_exist.*does not exist"):
+        checkpoint.load(str(tmp_path / "does_not_exist"), model, opt)
+    missing_shard = str(tmp_path / "missing_shard")
+    shutil.copytree(good, missing_shard)
+    os.remove(os.path.join(missing_shard, "__1_0.distcp"))
+    with pytest.raises(FileNotFoundError, match="missing_shard is missing the shard file __1_0.distcp"):
+        checkpoint.load(missing_shard, model, opt)
+    partial = str(tmp_path / "partial")
+    shutil.copytree(good, partial)
+    os.remove(os.path.join(partial, checkpoint.MARKER))
+    with pytest.raises(ValueError, match=f"partial is not a complete flashfsdp checkpoint: {checkpoint.MARKER}"):
+        checkpoint.load(partial, model, opt)
+    assert checkpoint.latest(tmp_path) == missing_shard  # the partial one is not complete
+    wider = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
+    other, other_opt = _sharded_llama(wider)
+    with pytest.raises(ValueError, match=r"parameter 'layers\.0\.feed_forward\.w1\.weight' has shape \(40, 32\) "
+                                         r"in checkpoint .* but \(48, 32\) in the model"):
+        checkpoint.load(good, other, other_opt)
+    deeper, deeper_opt = _sharded_llama(LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, ffn_dim=40,
+                                                    max_seq_len=16))
+    with pytest.raises(ValueError, match=r"no entry for parameter 'layers\.2\."):
+        checkpoint.load(good, deeper, deeper_opt)
 
 
 def test_model_only_and_sgd_momentum_round_trip_at_w1(tmp_path):
-    with use_backend("reference"):
-        torch.manual_seed(0)
-        x = torch.randn(8, 7)
-        model = sharded_mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        path = checkpoint.save(tmp_path / "sgd", model, opt, step=1, extra={"note": "sgd", "t": torch.ones(2)})
-        model_only = checkpoint.save(tmp_path / "model_only", model, step=1)
-        fresh = sharded_mlp(seed=5)
-        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
-        with pytest.raises(ValueError, match="has no optimizer state; pass optimizer=None"):
-            checkpoint.load(model_only, fresh, fresh_opt)
-        info = checkpoint.load(path, fresh, fresh_opt)
-        assert info["step"] == 1 and info["extra"]["note"] == "sgd" and torch.equal(info["extra"]["t"], torch.ones(2))
-        assert fresh_opt.param_groups[0]["lr"] == 0.1
-        for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
-            torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
-            torch.testing.assert_close(fresh_opt.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"],
-                                       rtol=0, atol=0, msg=name)
-        # re-saving a step replaces it atomically
-        assert checkpoint.save(path, fresh, fresh_opt, step=2) == path
-        assert checkpoint.load(path, model, opt)["step"] == 2
-        assert sorted(os.listdir(tmp_path)) == ["model_only", "sgd"]
+    torch.manual_seed(0)
+    x = torch.randn(8, 7)
+    model = sharded_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    path = checkpoint.save(tmp_path / "sgd", model, opt, step=1, extra={"note": "sgd", "t": torch.ones(2)})
+    model_only = checkpoint.save(tmp_path / "model_only", model, step=1)
+    fresh = sharded_mlp(seed=5)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+    with pytest.raises(ValueError, match="has no optimizer state; pass optimizer=None"):
+        checkpoint.load(model_only, fresh, fresh_opt)
+    info = checkpoint.load(path, fresh, fresh_opt)
+    assert info["step"] == 1 and info["extra"]["note"] == "sgd" and torch.equal(info["extra"]["t"], torch.ones(2))
+    assert fresh_opt.param_groups[0]["lr"] == 0.1
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(fresh_opt.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"],
+                                   rtol=0, atol=0, msg=name)
+    # re-saving a step replaces it atomically
+    assert checkpoint.save(path, fresh, fresh_opt, step=2) == path
+    assert checkpoint.load(path, model, opt)["step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["model_only", "sgd"]
 
 
 def test_bad_arguments_are_named(tmp_path):
-    with use_backend("reference"):
-        model, opt = _sharded_llama()
-        where = str(tmp_path / "c")
-        with pytest.raises(TypeError, match="save: path must be a str"):
-            checkpoint.save(3, model, opt, step=0)
-        with pytest.raises(TypeError, match="save: model must be an nn.Module"):
-            checkpoint.save(where, opt, step=0)
-        with pytest.raises(TypeError, match="save: optimizer must be a torch.optim.Optimizer"):
-            checkpoint.save(where, model, "adam", step=0)
-        for step in (-1, True, 1.5):
-            with pytest.raises(TypeError, match="save: step must be an int >= 0"):
-                checkpoint.save(where, model, opt, step=step)
-        with pytest.raises(TypeError, match="save: extra must be a dict"):
-            checkpoint.save(where, model, opt, step=0, extra=[1])
-        with pytest.raises(ValueError, match=r"save: extra must hold only what torch.load\(weights_only=True\)"):
-            checkpoint.save(where, model, opt, step=0, extra={"bad": object()})
-        assert not os.path.exists(where) and checkpoint.latest(tmp_path) is None
-        with pytest.raises(TypeError, match="load: optimizer must be"):
-            checkpoint.load(where, model, optimizer=model)
-        (tmp_path / "file").write_text("x")
-        with pytest.raises(ValueError, match="is a file, not a checkpoint directory"):
-            checkpoint.load(tmp_path / "file", model)
-        with pytest.raises(TypeError, match="latest: out_dir must be a str"):
-            checkpoint.latest(None)
-        with pytest.raises(NotADirectoryError, match="latest: out_dir .* is a file"):
-            checkpoint.latest(tmp_path / "file")
-        assert checkpoint.latest(tmp_path / "nowhere") is None
+    model, opt = _sharded_llama()
+    where = str(tmp_path / "c")
+    with pytest.raises(TypeError, match="save: path must be a str"):
+        checkpoint.save(3, model, opt, step=0)
+    with pytest.raises(TypeError, match="save: model must be an nn.Module"):
+        checkpoint.save(where, opt, step=0)
+    with pytest.raises(TypeError, match="save: optimizer must be a torch.optim.Optimizer"):
+        checkpoint.save(where, model, "adam", step=0)
+    for step in (-1, True, 1.5):
+        with pytest.raises(TypeError, match="save: step must be an int >= 0"):
+            checkpoint.save(where, model, opt, step=step)
+    with pytest.raises(TypeError, match="save: extra must be a dict"):
+        checkpoint.save(where, model, opt, step=0, extra=[1])
+    with pytest.raises(ValueError, match=r"save: extra must hold only what torch.load\(weights_only=True\)"):
+        checkpoint.save(where, model, opt, step=0, extra={"bad": object()})
+    assert not os.path.exists(where) and checkpoint.latest(tmp_path) is None
+    with pytest.raises(TypeError, match="load: optimizer must be"):
+        checkpoint.load(where, model, optimizer=model)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a checkpoint directory"):
+        checkpoint.load(tmp_path / "file", model)
+    with pytest.raises(TypeError, match="latest: out_dir must be a str"):
+        checkpoint.latest(None)
+    with pytest.raises(NotADirectoryError, match="latest: out_dir .* is a file"):
+        checkpoint.latest(tmp_path / "file")
+    assert checkpoint.latest(tmp_path / "nowhere") is None

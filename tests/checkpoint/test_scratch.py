@@ -14,14 +14,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from flashfsdp import checkpoint
 from flashfsdp.checkpoint import atomic
-from tests.checkpoint.common import assert_values, local_values, reference_kernels, sharded_mlp  # noqa: F401
+from tests.checkpoint.common import assert_values, local_values, sharded_mlp
 
 
 def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_a_disk_full_while_writing_the_shards_removes_the_scratch(tmp_path, reference_kernels, monkeypatch):
+def test_a_disk_full_while_writing_the_shards_removes_the_scratch(tmp_path, monkeypatch):
     model = sharded_mlp(seed=1)
     path = str(tmp_path / "step_1")
     checkpoint.save(path, model, step=1)
@@ -36,7 +36,7 @@ def test_a_disk_full_while_writing_the_shards_removes_the_scratch(tmp_path, refe
     assert_values(fresh, before)
 
 
-def test_a_disk_full_while_publishing_removes_the_incomplete_scratch(tmp_path, reference_kernels, monkeypatch):
+def test_a_disk_full_while_publishing_removes_the_incomplete_scratch(tmp_path, monkeypatch):
     model = sharded_mlp(seed=1)
     path = str(tmp_path / "step_1")
     monkeypatch.setattr(atomic, "write_file", _disk_full)  # the extra file and the marker
@@ -45,7 +45,7 @@ def test_a_disk_full_while_publishing_removes_the_incomplete_scratch(tmp_path, r
     assert os.listdir(tmp_path) == []
 
 
-def test_a_complete_scratch_is_kept_when_moving_it_into_place_fails(tmp_path, reference_kernels, monkeypatch):
+def test_a_complete_scratch_is_kept_when_moving_it_into_place_fails(tmp_path, monkeypatch):
     model = sharded_mlp(seed=1)
     path = str(tmp_path / "step_1")
     rename = os.rename
