@@ -6,37 +6,13 @@ all-gather, forward, backward, pack, reduce-scatter and accumulate, each on its 
 ``wait_reduce_scatter``) on the compute stream: time the compute stream spent waiting on
 communication, the *exposed* communication.
 
-Timing source and accuracy:
-
-- **CPU**: wall clock (``time.perf_counter``, one monotonic clock shared by every thread). A
-  collective runs on gloo's worker thread. Its span runs from the moment it was issued to the
-  moment it *completed*, stamped by a done-callback on the gloo work handle's future
-  (``Work.track_completion``; see ``flashfsdp.runtime.process_group``): it does not include the
-  compute that ran between its completion and the consumer's ``wait()``. The stamp can be late by
-  the time gloo's thread needs to take the GIL (microseconds while the compute thread is inside a
-  torch op or a wait, which release it; at most about ``sys.getswitchinterval()`` = 5 ms while it
-  runs pure Python). The span starts at issue, so a collective queued behind another one on the
-  same stream counts its queueing time: that is why :meth:`Profile.summary` counts the *union* of
-  a stream's spans. A collective that completes inside the issuing call (``LocalCommunicator`` at
-  W = 1) ends when that call returns. A Work that cannot report its completion (a third-party
-  ``Communicator``, or one still without a completion time when the next step starts) gets an
-  upper bound, marked ``exact=False``: the start of its wait if it had already completed then,
-  else the end of the wait. The profile reads each completion as soon as it is known and keeps no
-  Work handle past the next step, so it holds no tensor however long it stays open. A wait span
-  runs from the call to ``wait()`` to the collective's completion (the thread's wake-up after the
-  completion is not counted), so every wait lies inside the communication it waited for.
-- **CUDA**: events recorded on the spans' streams, resolved once at the end (one synchronisation,
-  after the profiled region). A collective's span ends at an event recorded on its stream right
-  after it was enqueued there: exact for ``NcclCommunicator``, which enqueues NCCL on that
-  stream. (``ProcessGroupCommunicator`` on NCCL runs the collective on torch's internal NCCL
-  stream, so there the span covers the enqueue only.) A wait span is measured on the compute
-  stream between events recorded just before and just after ``wait_event``: the stall the compute
-  stream saw.
-
-Definitions in :meth:`Profile.summary`: *communication* = the busy time of each communication
-stream (the union of its collectives' spans, so queued collectives are not counted twice), summed
-over the all-gather and reduce-scatter streams; *exposed communication* = the total of the wait
-spans. Hence exposed <= communication, and exposed <= the profiled wall time.
+This module holds what the runtime calls while it runs (:func:`span`, :func:`issuing`,
+:func:`waiting`, :func:`count`, :func:`labelled`) and the profile being recorded
+(:func:`profile`, :func:`active`). The profile itself, its timestamps and their accuracy on CPU
+and CUDA: ``trace_profile``; the spans and what they add up to (``Profile.summary()``: exposed
+and total communication per unit and in total; ``Profile.export_chrome_trace(path)``:
+Chrome/Perfetto JSON): ``trace_spans``; ``profile(aggregate=True)``, in constant memory over a
+whole run: ``trace_aggregate``.
 
 torch.profiler: every phase is labelled ``record_function("flashfsdp::<kind>::<unit>")`` whenever
 a torch profiler is running, with or without ``flashfsdp.profile()``: ``copy_in``,
@@ -44,18 +20,13 @@ a torch profiler is running, with or without ``flashfsdp.profile()``: ``copy_in`
 ``wait_reduce_scatter``, ``accumulate``, and the module hooks through :func:`labelled`
 (``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``). With no profiler running
 a label costs one check of ``torch._C._autograd._profiler_enabled()``.
-
-``Profile.export_chrome_trace(path)`` writes Chrome/Perfetto JSON; ``Profile.summary()`` gives
-exposed and total communication per unit and in total.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -63,10 +34,8 @@ import torch
 from flashfsdp._torch_private import profiler_enabled
 
 from . import flight
-from .intervals import union_shares
+from .trace_profile import Profile
 
-COMM_KINDS = ("all_gather", "reduce_scatter")
-STREAMS = ("compute", "all_gather", "reduce_scatter")
 _active: "Profile | None" = None
 _NO_LABEL = contextlib.nullcontext()
 
@@ -119,263 +88,7 @@ def labelled(kind: str, unit_name: Callable[[object], str] = _unit_name_of) -> C
     return decorate
 
 
-# ------------------------------------------------------------------------------ spans
-@dataclass(slots=True)
-class Span:
-    """One recorded interval. Times in microseconds from the profile's start once resolved.
-
-    ``exact`` is False when ``end`` is only an upper bound (a CPU collective whose Work could not
-    report its completion; see the module docstring).
-    """
-
-    kind: str
-    unit: str
-    stream: str
-    step: int
-    start: object
-    end: object = None
-    exact: bool = True
-
-    def duration_us(self) -> float:
-        return float(self.end) - float(self.start)
-
-
-class _CpuCompletion:
-    """The end of a CPU collective, settled from its Work handles as soon as they tell it.
-
-    ``works`` completed when the last of them did; without a completion time from every one, the
-    end is bounded: ``waited`` if they had all completed before the wait started, else ``done``.
-    [Note: bounded profiles] :meth:`settle` turns the handles into that one time and lets them go,
-    so a profile held open over a whole run keeps no Work (nor anything a Work holds).
-    """
-
-    __slots__ = ("works", "waited", "done", "completed_before", "_settled")
-
-    def __init__(self, works: Sequence, waited: float, done: float, completed_before: bool):
-        self.works, self.waited, self.done, self.completed_before = list(works), waited, done, completed_before
-        self._settled: tuple[float, bool] | None = None
-
-    def settle(self, final: bool) -> bool:
-        """Read the completion from the Works and drop them; without a time from every Work, only
-        when ``final`` (then the bound). Returns whether it is settled."""
-        if self._settled is None:
-            times = [w.completion_time() for w in self.works]
-            if times and all(t is not None for t in times):
-                self._settled = (max(times), True)
-            elif final:
-                self._settled = ((self.waited if self.completed_before else self.done), False)
-            else:
-                return False
-            self.works = []
-        return True
-
-    def seconds(self) -> tuple[float, bool]:
-        """(perf_counter seconds, exact)."""
-        self.settle(final=True)
-        return self._settled
-
-
-class _WaitEnd:
-    """The end of a CPU wait: the collective's completion, clamped into [waited, done]."""
-
-    __slots__ = ("completion",)
-
-    def __init__(self, completion: _CpuCompletion):
-        self.completion = completion
-
-    def seconds(self) -> tuple[float, bool]:
-        t, exact = self.completion.seconds()
-        c = self.completion
-        return min(c.done, max(c.waited, t)), exact
-
-
-@dataclass
-class Profile:
-    """Spans recorded while active; see the module docstring."""
-
-    device_type: str = "cpu"
-    spans: list[Span] = field(default_factory=list)
-    step: int = 0
-    _t0: float = field(default_factory=time.perf_counter)
-    _t0_event: object = None
-    _resolved: bool = False
-    _unsettled: list = field(default_factory=list)  # CPU completions still holding their Works
-    counters: dict = field(default_factory=dict)  # (name, unit) -> total, see count()
-
-    # ---------------------------------------------------------------- recording
-    def now(self, stream: "torch.cuda.Stream | None" = None):
-        """A timestamp: perf_counter seconds on CPU, a recorded CUDA event on GPU."""
-        if self.device_type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(stream)
-            if self._t0_event is None:
-                self._t0_event = event
-            return event
-        return time.perf_counter()
-
-    def add(self, kind: str, unit: str, stream: str, start, end) -> None:
-        """Append a span of ``kind`` for ``unit`` on ``stream`` (timestamps from :meth:`now`)."""
-        self.spans.append(Span(kind, unit, stream, self.step, start, end))
-
-    def add_collective(self, kind: str, unit: str, works: Sequence, issued, issued_end, waited, done,
-                       completed_before: bool, wait_span: bool = True) -> None:
-        """Record a collective and the wait on it.
-
-        Args:
-            kind: ``"all_gather"`` or ``"reduce_scatter"`` (also the span's stream).
-            unit: the unit's name.
-            works: the collective's Work handles (CPU: their completion times end the span; they
-                must have had ``track_completion()`` called right after issue).
-            issued: :meth:`now` just before the collective was issued.
-            issued_end: CUDA: :meth:`now` on the collective's stream right after it was enqueued
-                (its completion on that stream); CPU: ignored.
-            waited, done: :meth:`now` just before and just after the wait.
-            completed_before: whether every Work had completed when the wait started (the bound
-                used when a Work reports no completion time).
-            wait_span: record ``wait_<kind>`` on the compute stream (False where the compute
-                stream did not wait: a CUDA reduce-scatter finished on its own stream).
-        """
-        if self.device_type == "cuda":
-            self.add(kind, unit, kind, issued, issued_end)
-            if wait_span:
-                self.add(f"wait_{kind}", unit, "compute", waited, done)
-            return
-        completion = _CpuCompletion(works, waited, done, completed_before)
-        if not completion.settle(final=False):  # gloo's callback has stamped it: settled at once
-            self._unsettled.append(completion)
-        if wait_span:
-            self.add(f"wait_{kind}", unit, "compute", waited, _WaitEnd(completion))
-        self.add(kind, unit, kind, issued, completion)
-
-    def count(self, name: str, unit: str, amount: int) -> None:
-        """Add ``amount`` to the counter ``name`` of ``unit`` (e.g. bytes all-gathered)."""
-        key = (name, unit)
-        self.counters[key] = self.counters.get(key, 0) + amount
-
-    def next_step(self) -> None:
-        """Mark the start of a new training step (the root's forward calls it). Collectives of
-        the steps before whose Works still report no completion time are bounded now and let go
-        ([Note: bounded profiles])."""
-        self.step += 1
-        for completion in self._unsettled:
-            completion.settle(final=True)
-        self._unsettled.clear()
-
-    def resolve(self) -> None:
-        """Turn every timestamp into microseconds from the start (synchronises CUDA once)."""
-        if self._resolved:
-            return
-        if self.device_type == "cuda":
-            torch.cuda.synchronize()
-            base = self._t0_event
-            for s in self.spans:
-                s.start = base.elapsed_time(s.start) * 1e3
-                s.end = base.elapsed_time(s.end) * 1e3
-        else:
-            for s in self.spans:
-                if hasattr(s.end, "seconds"):
-                    s.end, s.exact = s.end.seconds()
-                s.start = (s.start - self._t0) * 1e6
-                s.end = (s.end - self._t0) * 1e6
-        self._resolved = True
-
-    # ---------------------------------------------------------------- reports
-    def _exclusive_compute_ms(self) -> list[tuple[Span, float]]:
-        """Each forward/backward span with its own time: nested units' spans (a root's forward
-        contains its blocks' forwards) are subtracted from the span that contains them."""
-        compute = [s for s in self.spans if s.kind in ("forward", "backward")]
-        out = []
-        for s in compute:
-            inner = [
-                c for c in compute
-                if c is not s and c.kind == s.kind and c.step == s.step
-                and float(s.start) <= float(c.start) and float(c.end) <= float(s.end)
-            ]
-            # only directly nested spans: drop those inside another inner span
-            direct = [c for c in inner if not any(o is not c and float(o.start) <= float(c.start)
-                                                  and float(c.end) <= float(o.end) for o in inner)]
-            out.append((s, (s.duration_us() - sum(c.duration_us() for c in direct)) / 1e3))
-        return out
-
-    def summary(self) -> dict:
-        """Totals over the profiled steps in milliseconds; per unit too.
-
-        Returns ``{"steps", "comm_ms", "comm_streams_ms", "exposed_ms", "compute_ms",
-        "inexact_spans", "units": {unit: {"comm_ms", "exposed_ms", "compute_ms"}}}``:
-
-        - ``comm_ms``: busy time of the communication streams, each stream's union of collective
-          spans, summed over streams (``comm_streams_ms`` per stream). A unit's ``comm_ms`` is its
-          share of that union (each span counts only the time after the same stream's earlier
-          spans ended), so the units' values sum to the total.
-        - ``exposed_ms``: the wait spans, time the compute stream waited on communication;
-          ``exposed_ms <= comm_ms``.
-        - ``compute_ms``: forward and backward spans, each unit's own time (nested units removed).
-        - ``inexact_spans``: collective spans whose end is only an upper bound.
-        - ``counters``: each counter's total over the profiled steps (:func:`count`: e.g.
-          ``all_gather_bytes_forward``, ``all_gather_bytes_backward``,
-          ``backward_all_gather_bytes_elided``), and ``counters_per_step``: the same / steps.
-        """
-        self.resolve()
-        units: dict[str, dict[str, float]] = {}
-
-        def unit(name: str) -> dict[str, float]:
-            return units.setdefault(name, {"comm_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0})
-
-        streams: dict[str, float] = {}
-        for stream in dict.fromkeys(s.stream for s in self.spans if s.kind in COMM_KINDS):
-            shares = union_shares([s for s in self.spans if s.kind in COMM_KINDS and s.stream == stream],
-                                  lambda s: (float(s.start), float(s.end)))
-            for s, us in shares:
-                unit(s.unit)["comm_ms"] += us / 1e3
-            streams[stream] = sum(us for _, us in shares) / 1e3
-        for s in self.spans:
-            u = unit(s.unit)
-            if s.kind.startswith("wait_"):
-                u["exposed_ms"] += s.duration_us() / 1e3
-        for s, ms in self._exclusive_compute_ms():
-            unit(s.unit)["compute_ms"] += ms
-        total = {k: sum(u[k] for u in units.values()) for k in ("exposed_ms", "compute_ms")}
-        inexact = sum(1 for s in self.spans if not s.exact and s.kind in COMM_KINDS)
-        counters: dict[str, int] = {}
-        for (name, _), amount in self.counters.items():
-            counters[name] = counters.get(name, 0) + amount
-        return {"steps": self.step, "comm_ms": sum(streams.values()), "comm_streams_ms": streams, **total,
-                "inexact_spans": inexact, "units": units, "counters": counters,
-                "counters_per_step": {k: v / max(1, self.step) for k, v in counters.items()}}
-
-    def unit_compute_ms(self) -> dict[str, dict[str, float]]:
-        """Mean forward and backward milliseconds per unit per step, each unit's own time (nested
-        units subtracted): the input the overlap simulator replays."""
-        self.resolve()
-        out: dict[str, dict[str, list[float]]] = {}
-        for s, ms in self._exclusive_compute_ms():
-            out.setdefault(s.unit, {"forward": [], "backward": []})[s.kind].append(ms)
-        steps = max(1, self.step)
-        return {u: {k: sum(v) / steps for k, v in d.items()} for u, d in out.items()}
-
-    def export_chrome_trace(self, path: str) -> None:
-        """Write the spans as Chrome/Perfetto trace JSON: one track (``tid``) per stream, named
-        "<stream> stream"; one complete event (``ph: "X"``) per span named ``<kind>::<unit>``,
-        category ``<kind>``, times in µs, ``args`` = step, unit, stream, exact."""
-        self.resolve()
-        tids = {name: i for i, name in enumerate(STREAMS)}
-        for s in self.spans:
-            tids.setdefault(s.stream, len(tids))
-        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"flashfsdp ({self.device_type})"}}]
-        events += [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": f"{name} stream"}}
-            for name, tid in tids.items()
-        ]
-        for s in self.spans:
-            events.append({
-                "name": f"{s.kind}::{s.unit}", "cat": s.kind, "ph": "X", "pid": 0,
-                "tid": tids[s.stream], "ts": s.start, "dur": max(s.duration_us(), 0.0),
-                "args": {"step": s.step, "unit": s.unit, "stream": s.stream, "exact": s.exact},
-            })
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-
-
+# ------------------------------------------------------------------------------ the active profile
 def active() -> Profile | None:
     """The profile being recorded, or None (the runtime's hot paths check this and do nothing)."""
     return _active

@@ -1,16 +1,16 @@
 """``flashfsdp.profile(aggregate=True)``: a profile for a whole run, in constant memory.
 
-A plain :class:`~flashfsdp.runtime.trace.Profile` keeps every span (about 250 bytes each on CPU,
-ten spans per unit per step: 12 MiB per 1000 steps of a 49-unit model), which is what a Chrome
-trace or the simulator's calibration needs, but grows without bound over a run. The aggregating
-profile keeps only the spans of the step in progress: when the next step starts (the root's
-forward), the finished step's spans are resolved (CPU: their completion times; CUDA: one
+A plain :class:`~flashfsdp.runtime.trace_profile.Profile` keeps every span (about 250 bytes each
+on CPU, ten spans per unit per step: 12 MiB per 1000 steps of a 49-unit model), which is what a
+Chrome trace or the simulator's calibration needs, but grows without bound over a run. The
+aggregating profile keeps only the spans of the step in progress: when the next step starts (the
+root's forward), the finished step's spans are resolved (CPU: their completion times; CUDA: one
 synchronisation), folded into running statistics and dropped. What it keeps is bounded by the
 number of units and span kinds:
 
-- the :meth:`~flashfsdp.runtime.trace.Profile.summary` totals, summed step by step (the union of
-  each stream's collectives is taken within a step; a collective that spans a step boundary counts
-  in the step that issued it);
+- the :meth:`~flashfsdp.runtime.trace_profile.Profile.summary` totals, summed step by step (the
+  union of each stream's collectives is taken within a step; a collective that spans a step
+  boundary counts in the step that issued it);
 - per unit and span kind: count, total, min and max milliseconds (``summary()["units"][u]["spans"]``).
 
 ``export_chrome_trace`` writes the spans of the last step only; ``unit_compute_ms`` works as on
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from .trace import Profile, Span, register_aggregating_profile
+from .trace import register_aggregating_profile
+from .trace_profile import Profile
+from .trace_spans import summarize, unit_compute_ms, write_chrome_trace
 
 _TOTALS = ("comm_ms", "exposed_ms", "compute_ms")
 
@@ -48,9 +48,8 @@ class AggregatingProfile(Profile):
         spans, self.spans = self.spans, []
         if not spans:
             return
-        _resolve(self, spans)
-        step = Profile(device_type=self.device_type, spans=spans, step=1, _resolved=True)
-        part = step.summary()
+        self.resolve_spans(spans)
+        part = summarize(spans, 1, {})
         for stream, ms in part["comm_streams_ms"].items():
             self.totals["comm_streams_ms"][stream] = self.totals["comm_streams_ms"].get(stream, 0.0) + ms
         self.totals["inexact_spans"] += part["inexact_spans"]
@@ -60,7 +59,7 @@ class AggregatingProfile(Profile):
                 mine[key] += values[key]
         for s in spans:
             _add_stat(self.totals["units"][s.unit]["spans"], s.kind, s.duration_us() / 1e3)
-        for unit, kinds in step.unit_compute_ms().items():
+        for unit, kinds in unit_compute_ms(spans, 1).items():
             mine = self.compute_by_unit.setdefault(unit, {"forward": 0.0, "backward": 0.0})
             for kind, ms in kinds.items():
                 mine[kind] += ms
@@ -99,22 +98,7 @@ class AggregatingProfile(Profile):
     def export_chrome_trace(self, path: str) -> None:
         """The spans of the last folded step as a Chrome/Perfetto trace (earlier steps are not kept)."""
         self._fold()
-        Profile(device_type=self.device_type, spans=list(self._last_step), step=self.step,
-                _resolved=True).export_chrome_trace(path)
-
-
-def _resolve(prof: Profile, spans: list[Span]) -> None:
-    """Turn ``spans``' timestamps into microseconds from ``prof``'s start (as ``Profile.resolve``)."""
-    if prof.device_type == "cuda":
-        torch.cuda.synchronize()
-        base = prof._t0_event
-        for s in spans:
-            s.start, s.end = base.elapsed_time(s.start) * 1e3, base.elapsed_time(s.end) * 1e3
-        return
-    for s in spans:
-        if hasattr(s.end, "seconds"):
-            s.end, s.exact = s.end.seconds()
-        s.start, s.end = (s.start - prof._t0) * 1e6, (s.end - prof._t0) * 1e6
+        write_chrome_trace(self._last_step, self.device_type, path)
 
 
 def _add_stat(stats: dict, kind: str, ms: float) -> None:

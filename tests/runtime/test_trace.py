@@ -12,6 +12,7 @@ import torch
 import flashfsdp
 from flashfsdp.runtime import trace
 from flashfsdp.runtime.communicator import LocalCommunicator, Work
+from flashfsdp.runtime.trace_spans import COMM_KINDS
 from tests.harness import run_distributed
 from tests.models import loss_fn, make_batch
 from tests.training import local_rows, make_model, units_of
@@ -99,7 +100,7 @@ def _waits_after_their_collectives(spans: list[tuple]) -> list[tuple[tuple, tupl
     """Each collective span with the wait recorded with it (just before it in the list)."""
     pairs = []
     for i, span in enumerate(spans):
-        if span[0] in trace.COMM_KINDS:
+        if span[0] in COMM_KINDS:
             wait = spans[i - 1]
             assert (wait[0], wait[1], wait[3]) == (f"wait_{span[0]}", span[1], span[3]), (span, wait)
             pairs.append((span, wait))
@@ -196,7 +197,7 @@ def test_collectives_without_a_completion_time_are_bounded_and_marked():
     loss_fn("mlp", model(x), y).backward()
     with flashfsdp.profile("cpu") as prof:
         loss_fn("mlp", model(x), y).backward()
-    comm = [(i, s) for i, s in enumerate(prof.spans) if s.kind in trace.COMM_KINDS]
+    comm = [(i, s) for i, s in enumerate(prof.spans) if s.kind in COMM_KINDS]
     assert comm and all(not s.exact for _, s in comm)
     assert prof.summary()["inexact_spans"] == len(comm)
     for i, s in comm:

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from flashfsdp import sim
-from flashfsdp.runtime.trace import Span
+from flashfsdp.runtime.trace_spans import Span
 from flashfsdp.sim import calibrate
 
 # One CPU step in µs: the root's forward wraps two blocks, its backward theirs; host-side spans
