@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashfsdp import ShardedGradScaler
+from flashfsdp.debug import set_trace_dir
 from flashfsdp.log import get_logger
 from flashfsdp.runtime.memory import PeakMemoryMeter
 from flashfsdp.train import report
@@ -442,6 +443,8 @@ def run_worker(config: TrainConfig, corpus: Corpus | None = None,
     rank, world_size, device = init_distributed(config.run.device, config.run.timeout)
     stop = StopFlag()
     config, resume_from = agree_run_dir(config, resume_from)
+    # After StopFlag's handlers: a SIGTERM dumps the flight recorder, then stops the run as before.
+    set_trace_dir(config.run.out)
     if corpus is None:
         corpus = load_corpus(config.data.path, seed=config.training.seed,
                              tokenizer=load_tokenizer(config.data.tokenizer))
@@ -453,6 +456,7 @@ def run_worker(config: TrainConfig, corpus: Corpus | None = None,
     finally:
         if lock is not None:
             lock.release()
+        set_trace_dir(None)
         stop.restore()
         gc.collect()  # the model (cycles holding communicators and work handles) before its process group
         dist.destroy_process_group()

@@ -16,6 +16,7 @@ import pytest
 
 from flashfsdp.checkpoint import latest
 from flashfsdp.checkpoint.marker import MARKER, new_marker
+from flashfsdp.debug import load_dumps
 from flashfsdp.train import checkpoints, stopping
 
 SAVED = re.compile(r"the workers saved a final checkpoint at step (\d+), (\S+) \(")
@@ -83,6 +84,8 @@ def test_a_signal_to_the_launcher_saves_the_step_it_reports_and_the_run_resumes(
     assert latest(str(out / "checkpoints")) == path
     record = json.loads((out / checkpoints.STOP_RECORD).read_text())
     assert (record["step"], record["signal"]) == (int(step), sig.name)
+    # the training job gives the flight recorder its run directory: each worker dumped its ring
+    assert sorted(report["rank"] for report in load_dumps(str(out))) == [0, 1]
     if sig == signal.SIGINT:
         return  # resuming is the same for both (and test_train resumes after a Ctrl-C)
 
