@@ -6,15 +6,24 @@ A single process (W = 1) needs no process group: without ``torch.distributed`` i
 """
 
 from flashfsdp import _torch_private  # noqa: F401 - first: the torch version check, then torch's private APIs
-from flashfsdp.bindings.clip_grad import clip_grad_norm_
-from flashfsdp.bindings.grad_scaler import ShardedGradScaler
-from flashfsdp.bindings.fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from flashfsdp.bindings.fully_shard import fully_shard
-from flashfsdp.bindings.functional import all_gather_with_grad
-from flashfsdp.bindings.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from flashfsdp.bindings.full_state_dict import get_full_state_dict, set_full_state_dict
-from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from flashfsdp.bindings.hf_save import save_pretrained  # transformers is imported when it is called
+from flashfsdp.bindings import (  # the PyTorch layer (transformers: imported when save_pretrained is called)
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardedGradScaler,
+    UnshardHandle,
+    all_gather_with_grad,
+    clip_grad_norm_,
+    fully_shard,
+    get_full_state_dict,
+    get_optimizer_state_dict,
+    register_fsdp_forward_method,
+    save_pretrained,
+    set_full_state_dict,
+    set_optimizer_state_dict,
+    share_comm_ctx,
+)
 from flashfsdp import checkpoint  # flashfsdp.checkpoint.save / load / latest
 from flashfsdp import optim  # flashfsdp.optim.AdamW / SGD: one fused step per unit's flat shard
 from flashfsdp.fsdp1 import (  # FSDP1's wrapper API; the rest of its names: flashfsdp.fsdp1

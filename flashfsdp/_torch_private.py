@@ -114,7 +114,7 @@ FrameExecStrategy = optional_private(_EVAL_FRAME, "_FrameExecStrategy")  # (cur_
 FrameAction = optional_private(_EVAL_FRAME, "_FrameAction")  # enum: DEFAULT, SKIP, RUN_ONLY
 
 # ---------------------------------------------------------------------------- tensor subclasses
-# bindings/sharded_tensor.py (ShardedPiece) and bindings/init_window.py (full-shape stand-ins).
+# runtime/sharding_spec.py (the DTensor wrappers) and runtime/init_window.py (full-shape stand-ins).
 make_wrapper_subclass = private("torch", "Tensor._make_wrapper_subclass")
 disabled_torch_function_impl = private("torch", "_C._disabled_torch_function_impl")
 DisableTorchFunctionSubclass = private("torch", "_C.DisableTorchFunctionSubclass")

@@ -101,7 +101,7 @@ def gather_full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     tensor and places it at the rows FSDP2's dim-0 chunking gives its mesh coordinate. Reading
     the parameters' own values ends an init window (a meta-device model initialised in place).
     """
-    from flashfsdp.bindings.init_window import close_init_windows  # noqa: PLC0415
+    from flashfsdp.runtime.init_window import close_init_windows  # noqa: PLC0415
 
     close_init_windows()
     mine = {name: _rows_held(p) for name, p in model.named_parameters()}

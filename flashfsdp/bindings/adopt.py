@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from flashfsdp.runtime.comm_factory import communicator_for
 from flashfsdp.runtime.communicator import Communicator
-
-from .init_window import open_init_window
+from flashfsdp.runtime.init_window import open_init_window
 
 
 

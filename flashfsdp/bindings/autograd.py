@@ -41,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from flashfsdp import _torch_private
 
-from .tree import tensors_in
+from flashfsdp.runtime.tree import tensors_in
 
 
 def functorch_active() -> bool:

@@ -12,8 +12,7 @@ from flashfsdp._torch_private import foreach_mul_
 from flashfsdp.runtime.agreement import raise_own
 from flashfsdp.runtime.grad_norm import total_grad_norm, unit_communicators
 from flashfsdp.runtime.sharding_spec import local_of
-
-from .init_window import close_init_windows
+from flashfsdp.runtime.init_window import close_init_windows
 
 __all__ = ["clip_grad_norm_", "total_grad_norm", "unit_communicators"]
 

@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from flashfsdp.runtime.init_window import close_init_windows
+
 from .elision import end_forward, set_enabled
-from .init_window import close_init_windows
 from .state import FSDPState
 
 

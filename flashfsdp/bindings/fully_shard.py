@@ -5,7 +5,7 @@ module owns, shards it across the mesh's ranks at once (the module's parameters 
 local pieces, so an optimizer can be built right after), and installs the forward hooks that
 unshard and reshard it. Call it bottom-up: on the blocks first, then on the root. A list of modules
 makes one unit of all of them (FSDP2's module grouping). Modules may live on the meta device:
-``to_empty`` then materialises only this rank's shards (see ``init_window.py``). A single process
+``to_empty`` then materialises only this rank's shards (see ``runtime/init_window.py``). A single process
 needs no process group: without ``torch.distributed`` initialised (and no ``WORLD_SIZE`` > 1 in
 the environment) a unit has W = 1 and trains as a plain module.
 
@@ -49,9 +49,9 @@ from flashfsdp.runtime.unit import ShardedUnit
 from . import _init
 from .fsdp_module import FSDPModule
 from .mixed_precision import MixedPrecisionPolicy, OffloadPolicy
-from .optim_state_dict import register_optimizer_step_hooks
 from .state import FSDPState
-from .state_dict import install_state_dict_hooks
+from .state_dict.optimizer import register_optimizer_step_hooks
+from .state_dict.sharded import install_state_dict_hooks
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after_forward: bool | int | None = None,
@@ -159,7 +159,7 @@ def _install(modules, unit: ShardedUnit, collected, mp_policy: MixedPrecisionPol
     for m in modules:
         m.__dict__["_flashfsdp_state"] = state
         # state_dict() yields each unit parameter as its sharded DTensor (also inside forward, when
-        # the module holds the unsharded ones); load_state_dict() writes into the shard (state_dict.py).
+        # the module holds the unsharded ones); load_state_dict() writes into the shard (state_dict/sharded.py).
         install_state_dict_hooks(m, state)
     register_optimizer_step_hooks()
     _adopt_nested(collected.nested, state)

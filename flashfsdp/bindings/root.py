@@ -18,11 +18,11 @@ from flashfsdp.runtime.schedule import PrefetchPolicy
 from flashfsdp.runtime.states import ShardState
 from flashfsdp.runtime.step import StepProtocol, UnitSettings
 from flashfsdp.runtime.unit import PendingReduce
+from flashfsdp.runtime.tree import map_tensors
 
 from . import elision
 from .optimizer_check import register_optimizer_check
 from .structure import check_same_structure
-from .tree import map_tensors
 
 
 class RootContext:

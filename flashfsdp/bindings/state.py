@@ -35,16 +35,16 @@ from flashfsdp.runtime import trace
 from flashfsdp.runtime.states import ShardState, TrainingState
 from flashfsdp.runtime.step import ReshardAfterForward, UnitSettings
 from flashfsdp.runtime.unit import ShardedUnit
+from flashfsdp.runtime.init_window import close_init_windows
+from flashfsdp.runtime.tree import cast_floating, tensors_in
 
 from .autograd import PostBackwardGate, current_backward, grad_tensors, in_backward, outside_functorch, queue_final_callback
 from . import elision
 from .adopt import adopt_module_params, adopt_replaced_params, check_materialised
 from .compile_boundary import run_eagerly
 from .autograd import register_pre_backward_hooks
-from .init_window import close_init_windows
 from .root import RootContext, init_root
 from .mixed_precision import MixedPrecisionPolicy
-from .tree import map_tensors, tensors_in
 
 
 class FSDPState:
@@ -296,7 +296,7 @@ class FSDPState:
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Floating-point inputs cast to ``param_dtype`` if the policy asks for it."""
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
     def _mark_compute_start(self) -> None:
@@ -337,7 +337,7 @@ class FSDPState:
     def _cast_output(self, output):
         """Floating-point outputs cast to ``output_dtype`` if the policy sets one."""
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+            output = cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     def _check_input_devices(self, args: tuple, kwargs: dict) -> None:
@@ -418,7 +418,3 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         self._mark_compute_end("backward")
         self.ctx.step.backward_done(self)
-
-
-def _cast_floating(tree, dtype: torch.dtype):
-    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)

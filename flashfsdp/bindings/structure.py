@@ -105,7 +105,7 @@ def check_same_structure(states: Iterable, error: BaseException | None = None) -
             ranks and their values (raised identically on every rank of the communicator).
         RuntimeError: a state-dict read while another thread runs a training step.
         control.ControlMismatch: a rank is in another operation (named).
-        Exception: ``error`` of the first rank that had one, on every rank (see ``agreement.py``).
+        Exception: ``error`` of the first rank that had one, on every rank (see ``runtime/agreement.py``).
     """
     states = list(states)
     error = error or busy_error(states)

@@ -20,7 +20,7 @@ Reliability, module by module:
   anything is loaded (``verify=False`` skips it).
 - ``loading.py``: everything is checked before the model is touched ([Note: load is
   all-or-nothing up to the shard files]); ``saving.py`` / ``loading.py``: an error on one rank is
-  raised on every rank (``flashfsdp.bindings.agreement``), so no rank waits in a collective.
+  raised on every rank (``flashfsdp.runtime.agreement``), so no rank waits in a collective.
 
 [Note: trust model]
 A checkpoint directory is data: ``load`` runs no code from it. DCP's ``.metadata`` is unpickled

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict
+from flashfsdp.bindings import get_optimizer_state_dict
 
 
 def check_model_optimizer(model: Any, optimizer: Any, where: str) -> None:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from flashfsdp.runtime import flight
 from flashfsdp.runtime.agreement import agree, global_rank, global_world_size
-from flashfsdp.bindings.optim_state_dict import set_optimizer_state_dict
+from flashfsdp.bindings import set_optimizer_state_dict
 
 from .atomic import newest_copy, recovery_message
 from .checksums import check, verify_share
@@ -43,7 +43,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Collective. The checkpoint is checked first on every rank (marker, DCP metadata, every shard
     file, ``extra.pt``, the checksums, every parameter's name and shape), then DCP reads each rank's
     pieces straight into the sharded parameters and optimizer state (resharding as needed), and
-    ``model.load_state_dict`` / :func:`~flashfsdp.bindings.optim_state_dict.set_optimizer_state_dict`
+    ``model.load_state_dict`` / :func:`~flashfsdp.set_optimizer_state_dict`
     finish the load (optimizer hyperparameters such as ``lr`` and the param groups come from the
     checkpoint). Nothing in the checkpoint is run: see the trust model in ``flashfsdp.checkpoint``.
     Works at W = 1 without torch.distributed initialised.

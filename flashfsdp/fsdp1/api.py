@@ -35,7 +35,7 @@ from torch.distributed.fsdp.api import (  # noqa: F401  (re-exported)
     StateDictType,
 )
 
-from flashfsdp.bindings.mixed_precision import CPUOffloadPolicy, MixedPrecisionPolicy
+from flashfsdp.bindings import CPUOffloadPolicy, MixedPrecisionPolicy
 
 __all__ = [
     "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType", "StateDictConfig",

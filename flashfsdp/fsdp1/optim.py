@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flashfsdp.bindings.agreement import global_rank
-from flashfsdp.bindings.optim_state_dict import get_optimizer_state_dict
-from flashfsdp.bindings.state_dict import sharded_value_of
+from flashfsdp.bindings import get_optimizer_state_dict
+from flashfsdp.runtime.agreement import global_rank
+from flashfsdp.runtime.full_values import sharded_value_of
 from flashfsdp.runtime.param_tags import group_of
 
 from .api import StateDictType

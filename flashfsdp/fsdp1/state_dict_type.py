@@ -28,7 +28,7 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from flashfsdp.bindings.full_state_dict import get_full_state_dict
+from flashfsdp.bindings import get_full_state_dict
 from flashfsdp.runtime.sharding_spec import is_dtensor
 
 from .api import (

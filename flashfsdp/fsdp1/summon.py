@@ -1,7 +1,7 @@
 """``summon_full_params``: a wrapper's full parameters inside a context, written back on exit.
 
 Each unit's master shards (original dtype, not ``param_dtype``) are all-gathered into one
-W·S-element buffer per flat group (``full_state_dict.gather_flat``, one collective per group) and
+W·S-element buffer per flat group (``runtime.full_values.gather_flat``, one collective per group) and
 copied out into one buffer of the unsharded layout; the module's registrations then hold
 full-shape parameters that are views into it (on the CPU with ``offload_to_cpu``), so changes to
 them land in the buffer. On exit, with ``writeback``, this rank's rows of each parameter are
@@ -16,10 +16,10 @@ import warnings
 import torch
 import torch.nn as nn
 
-from flashfsdp.bindings.agreement import global_rank
-from flashfsdp.bindings.full_state_dict import gather_flat
-from flashfsdp.bindings.init_window import close_init_windows
+from flashfsdp.runtime.agreement import global_rank
 from flashfsdp.runtime.flat_param import shards_written
+from flashfsdp.runtime.full_values import gather_flat
+from flashfsdp.runtime.init_window import close_init_windows
 from flashfsdp.runtime.states import TrainingState
 
 _active: set[int] = set()  # ids of the unit states whose parameters are summoned now

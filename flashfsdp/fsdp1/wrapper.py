@@ -34,9 +34,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from flashfsdp.bindings.clip_grad import clip_grad_norm_ as sharded_clip_grad_norm_
-from flashfsdp.bindings.fully_shard import fully_shard
-from flashfsdp.bindings.state import _cast_floating
+from flashfsdp.bindings import clip_grad_norm_ as sharded_clip_grad_norm_, fully_shard
+from flashfsdp.runtime.tree import cast_floating
 
 from . import api, module_init, optim as optim_sd, sharding, state_dict_type as sdt, summon, wrap
 from .api import BackwardPrefetch, ShardingStrategy, StateDictType
@@ -149,7 +148,7 @@ class FullyShardedDataParallel(nn.Module):
             self._configure_root()
         dtype = api.input_dtype(self._fsdp_mixed_precision, bool(self._fsdp_is_root))
         if dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), dtype)
+            args, kwargs = cast_floating((args, kwargs), dtype)
         with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
             return self._fsdp_wrapped_module(*args, **kwargs)
 

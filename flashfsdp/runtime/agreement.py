@@ -66,13 +66,13 @@ def raise_own(exc: BaseException | None) -> None:
         raise exc
 
 
-_HELPERS = (__name__, "flashfsdp.bindings.agreement", "flashfsdp.bindings.structure")
+_HELPERS = (__name__, "flashfsdp.bindings.structure")
 
 
 def operation_name() -> str:
     """The operation a control message belongs to: the innermost ``flight.operation`` block, else
     the first caller outside the agreement helpers and the same-model check
-    (``bindings.full_state_dict.get_full_state_dict``)."""
+    (``bindings.state_dict.full.get_full_state_dict``)."""
     named = flight.current_operation()
     if named is not None:
         return named

@@ -21,7 +21,7 @@ data pointer on an invalid python storage"). FSDP2 never meets it (each paramete
 its own, its chunk at offset 0); here every chunk after a group's first lies inside the flat shard.
 So the wrappers are made as DTensor made them before that constructor existed — a wrapper
 subclass of the global shape and stride at offset 0, with ``_spec`` and ``_local_tensor`` set —
-and the state dict holds such wrappers too (``bindings/state_dict.py``).
+and the state dict holds such wrappers too (``bindings/state_dict/sharded.py``).
 """
 
 from __future__ import annotations

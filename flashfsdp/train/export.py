@@ -23,7 +23,7 @@ import sys
 import torch
 
 from flashfsdp import checkpoint
-from flashfsdp.bindings.hf_save import SINGLE_FILE, remove_stale_weights
+from flashfsdp.bindings.state_dict import SINGLE_FILE, remove_stale_weights
 from flashfsdp.models import Llama, LlamaConfig
 from flashfsdp.train.checkpoints import checkpoint_dir, latest_checkpoint
 from flashfsdp.train.config import PROG, RUN_CONFIG, TrainConfig, UsageError

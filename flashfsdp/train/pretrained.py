@@ -16,13 +16,12 @@ import json
 import os
 
 import torch
+from flashfsdp.bindings.state_dict import INDEX_FILE, SINGLE_FILE
 from flashfsdp.log import get_logger
 from flashfsdp.models import Llama, LlamaConfig
 from flashfsdp.train.errors import UsageError
 from flashfsdp.train.hf_names import block_names, root_names
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _log = get_logger(__name__)
 
 

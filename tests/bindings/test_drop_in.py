@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import flashfsdp
 from flashfsdp import MixedPrecisionPolicy, fully_shard
-from flashfsdp.bindings.init_window import close_init_windows
+from flashfsdp.runtime.init_window import close_init_windows
 from tests.harness import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 import flashfsdp  # noqa: E402
-from flashfsdp.bindings import hf_save  # noqa: E402
+from flashfsdp.bindings.state_dict import hf_save  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
 TOKENS = (torch.arange(14).reshape(2, 7) * 5) % 64

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import flashfsdp
 from flashfsdp import fully_shard
-from flashfsdp.bindings import full_state_dict as fsd_module
+from flashfsdp.bindings.state_dict import full as fsd_module
 from tests.harness import run_distributed
 
 
@@ -45,7 +45,7 @@ def _trained(rank: int) -> tuple[nn.Sequential, torch.optim.Optimizer]:
 
 
 def _injected(rank: int, name: str, on_rank: int = 0):
-    """On ``on_rank``: ``full_state_dict.<name>`` raises MemoryError (a failure after the ranks agreed)."""
+    """On ``on_rank``: ``state_dict.full.<name>`` raises MemoryError (a failure after the ranks agreed)."""
     if rank != on_rank:
         return mock.patch.object(fsd_module, name, getattr(fsd_module, name))
     return mock.patch.object(fsd_module, name, mock.Mock(side_effect=MemoryError("injected: out of memory")))

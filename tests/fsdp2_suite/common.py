@@ -183,7 +183,7 @@ class FlashImpl(Impl):
     def local(self, tensor):
         # Reading a chunk's own values ends the init window of a meta-initialised model (inside
         # it, a sharded parameter acts as its full-shape tensor; see flashfsdp's init_window.py).
-        from flashfsdp.bindings.init_window import close_init_windows  # noqa: PLC0415
+        from flashfsdp.runtime.init_window import close_init_windows  # noqa: PLC0415
 
         close_init_windows()
         return super().local(tensor)

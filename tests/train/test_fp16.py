@@ -38,7 +38,7 @@ def _trainer(out: str, corpus_file: str, resume_from: str | None = None):
 
 def _overflow_then_resume(rank: int, world_size: int, out: str, corpus_file: str) -> dict:
     from flashfsdp import ShardedGradScaler  # noqa: PLC0415
-    from flashfsdp.bindings.init_window import close_init_windows  # noqa: PLC0415
+    from flashfsdp.runtime.init_window import close_init_windows  # noqa: PLC0415
     from flashfsdp.train.checkpoints import latest_checkpoint  # noqa: PLC0415
 
     trainer = _trainer(out, corpus_file)

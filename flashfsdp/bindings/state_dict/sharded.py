@@ -1,19 +1,5 @@
 """Sharded state dicts of fully_shard'ed modules: FSDP2's, plain DTensors.
 
-Which calls to use (every one collective unless said otherwise)
-----------------------------------------------------------------
-============================================  =====================================================
-sharded checkpoint, model + optimizer          ``flashfsdp.checkpoint.save`` / ``load`` (atomic), or
-(reshardable to any world size)                ``dcp.save`` / ``dcp.load`` of ``model.state_dict()``
-                                               and ``optimizer.state_dict()`` (or the stock
-                                               ``torch.distributed.checkpoint.state_dict``
-                                               ``get_state_dict`` / ``set_state_dict``), as with FSDP2
-full model state dict (plain tensors)          ``flashfsdp.get_full_state_dict`` / ``set_full_state_dict``,
-                                               or DSD's getters and setters with
-                                               ``StateDictOptions(full_state_dict=True)``
-full state dict *into* a flashfsdp model       also ``model.load_state_dict(full_sd)`` on every rank
-============================================  =====================================================
-
 Sharded (the default, what ``module.state_dict()`` returns): every parameter of a unit appears under
 its original fully-qualified name as its sharded DTensor (FSDP2's placements and global shape,
 detached unless ``keep_vars``), also while the module holds its unsharded parameters inside a
@@ -29,23 +15,22 @@ shard in place), DTensors of other placements (redistributed first) or plain ful
 
 Optimizer state of stock optimizers is per parameter and so DTensors too (``torch.optim`` creates
 it with ``zeros_like`` of the DTensor parameter); ``flashfsdp.optim`` keeps the same layout.
-Full state dicts are in ``full_state_dict.py``.
+Full state dicts are in ``full.py``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 import torch.nn as nn
 
 from flashfsdp.runtime.flat_param import shards_written
+from flashfsdp.runtime.full_values import sharded_value_of
+from flashfsdp.runtime.init_window import close_init_windows
 from flashfsdp.runtime.sharding_spec import is_dtensor, local_of
-from flashfsdp.runtime.param_tags import tag_of
 
-from .init_window import close_init_windows
-from .state import FSDPState
+from ..state import FSDPState
 
 
 # ---------------------------------------------------------------------------- hooks
@@ -145,31 +130,3 @@ def _post_load_state_dict(state: FSDPState, module: nn.Module, incompatible_keys
            for i, regs in enumerate(state.registrations) for mod, name in regs):
         state.adopt_module_params()
         close_init_windows([p for g in state.unit.groups for p in g.sharded_params])  # loaded, not to initialise
-
-
-def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor:
-    """``value`` as a tensor of the sharded parameter ``param``'s kind: a DTensor of its mesh and
-    placements (this rank's rows of a full-shape tensor; another DTensor redistributed), or a
-    plain full-shape tensor where ``param`` is plain (no mesh).
-
-    Raises:
-        TypeError: ``value`` is not a tensor.
-        ValueError: a shape other than the parameter's full shape.
-    """
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"'{name}' must be a tensor, got {type(value).__name__}")
-    if value.shape != param.shape:
-        raise ValueError(
-            f"'{name}' has shape {tuple(value.shape)}, but the parameter's full shape is {tuple(param.shape)}: "
-            f"pass the state dict of the same model"
-        )
-    if not is_dtensor(param):
-        return value.full_tensor() if is_dtensor(value) else value
-    if is_dtensor(value):
-        if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
-            return value
-        return value.redistribute(param.device_mesh, param.placements)
-    tag = tag_of(param)
-    group = tag.group
-    local = group._chunk_of(value.detach(), tag.index).to(device=param.device)
-    return group.spec.wrap(local, param.shape)

@@ -2,8 +2,8 @@
 
 :func:`get_full_state_dict` / :func:`set_full_state_dict` give and take exactly the keys, order and
 shapes of ``nn.Module.state_dict()`` of the unwrapped model, one unit at a time through the unit's
-own communicator and one reused buffer, so that peak memory is one unit (see ``state_dict.py`` for
-which state-dict calls to use when).
+own communicator and one reused buffer, so that peak memory is one unit (see the package's
+docstring for which state-dict calls to use when).
 """
 
 from __future__ import annotations
@@ -14,19 +14,26 @@ import torch
 import torch.nn as nn
 
 from flashfsdp.kernels import flatten, unflatten
+from flashfsdp.runtime.agreement import agree, agree_from_rank0, agree_in_group, global_rank
 from flashfsdp.runtime.comm_factory import communicator_in_use, default_group
 from flashfsdp.runtime.flat_param import FlatParam, shards_written
+from flashfsdp.runtime.full_values import gather_flat
+from flashfsdp.runtime.init_window import close_init_windows
 from flashfsdp.runtime.sharding_spec import is_dtensor
 
-from .agreement import agree, agree_from_rank0, agree_in_group, global_rank
-from .init_window import close_init_windows
-from .state import FSDPState, TrainingState
-from .structure import check_same_structure
+from ..state import FSDPState, TrainingState
+from ..structure import check_same_structure
 
 
-def _check_model(model: Any, where: str) -> list[tuple[str, FSDPState]]:
+def units_of(model: Any, where: str) -> list[tuple[str, FSDPState]]:
     """(path, state) of every fully_shard'ed unit of ``model``, outermost first (each unit once,
-    at the path of its first module)."""
+    at the path of its first module).
+
+    Raises (the message starting with ``where``):
+        TypeError: ``model`` is not a module.
+        ValueError: it has no fully_shard'ed module.
+        RuntimeError: a unit is inside forward/backward.
+    """
     close_init_windows()
     if not isinstance(model, nn.Module):
         raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
@@ -47,7 +54,7 @@ def _check_model(model: Any, where: str) -> list[tuple[str, FSDPState]]:
     return states
 
 
-def _owners(model: nn.Module) -> dict[str, tuple[FSDPState, int]]:
+def param_owners(model: nn.Module) -> dict[str, tuple[FSDPState, int]]:
     """State-dict key -> (state, unit parameter index) for every unit parameter of the model.
 
     Found by identity: ``state_dict(keep_vars=True)`` holds the sharded parameters themselves,
@@ -94,21 +101,6 @@ def _flat_buffers(states: list[tuple[str, FSDPState]]) -> Callable[[FlatParam, t
         return buffers[(group.dtype, device)][: group.layout.gathered_size]
 
     return get
-
-
-@torch.no_grad()
-def gather_flat(unit, group: FlatParam, shard: torch.Tensor, full: torch.Tensor) -> None:
-    """Collective over the unit's communicator: every rank's S-element ``shard`` into ``full``.
-
-    ``shard`` is laid out like ``group.sharded_flat``; ``full`` is a W·S-element buffer of its dtype
-    on the unit's device (the gathered layout: rank r's shard at r·S). This rank's shard is copied
-    into its own slice of ``full`` and gathered in place, so nothing is allocated between the
-    ranks' agreement and the collective.
-    """
-    S = group.layout.shard_size
-    own = full[group.rank * S : (group.rank + 1) * S]
-    own.copy_(shard)  # (a CPU-offloaded shard moves to the device)
-    unit.comm.all_gather_into_tensor(full, own).wait()
 
 
 @torch.no_grad()
@@ -229,12 +221,12 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
 def _plan_get(model: Any, cpu_offload: Any, rank0_only: Any) -> tuple:
     """The local checks and preparation of :func:`get_full_state_dict` (every rank, before agreeing):
     ``(states, template, owners, flat buffer getter)``."""
-    states = _check_model(model, "get_full_state_dict")
+    states = units_of(model, "get_full_state_dict")
     for name, flag in (("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
         if not isinstance(flag, bool):
             raise TypeError(f"get_full_state_dict: {name} must be a bool, got {flag!r}")
     template = model.state_dict()
-    owners = _owners(model)
+    owners = param_owners(model)
     for key, value in template.items():
         if is_dtensor(value) and key not in owners:
             raise RuntimeError(f"get_full_state_dict: '{key}' is a DTensor but belongs to no unit of the model "
@@ -430,7 +422,7 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
 def _plan_set(model: Any, strict: Any) -> tuple:
     """The local checks and preparation of :func:`set_full_state_dict` (every rank, before agreeing):
     ``(states, template, owners, flat buffer getter)``."""
-    states = _check_model(model, "set_full_state_dict")
+    states = units_of(model, "set_full_state_dict")
     if not isinstance(strict, bool):
         raise TypeError(f"set_full_state_dict: strict must be a bool, got {strict!r}")
-    return states, model.state_dict(), _owners(model), _flat_buffers(states)
+    return states, model.state_dict(), param_owners(model), _flat_buffers(states)

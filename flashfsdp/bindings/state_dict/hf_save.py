@@ -13,7 +13,7 @@ and writing itself, unit by unit, and leaves the rest to transformers and safete
    (None: one file per unit); rank 0 writes ``config.json`` (and ``generation_config.json``) the
    way ``save_pretrained`` does and removes shard files a previous save left; the ranks agree;
 2. file by file, unit by unit: the unit's flat groups are all-gathered in the parameters' original
-   dtype (``full_state_dict.full_unit_params``: one unit on the device), rank 0 keeps the values on the CPU,
+   dtype (``full.full_unit_params``: one unit on the device), rank 0 keeps the values on the CPU,
    applies transformers' ``revert_weight_conversion`` (its own per-shard path for offloaded models)
    and writes the file with ``safetensors.torch.save_file``, then drops them;
 3. rank 0 writes ``model.safetensors.index.json`` when there is more than one file; the ranks agree
@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from flashfsdp.runtime.agreement import agree, global_rank
 from flashfsdp.runtime.sharding_spec import is_dtensor
 
-from .agreement import agree, global_rank
-from .full_state_dict import _check_model, _owners, full_unit_params
-from .state import FSDPState
-from .structure import check_same_structure
+from ..state import FSDPState
+from ..structure import check_same_structure
+from .full import full_unit_params, param_owners, units_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -141,14 +141,14 @@ def _plan(model: Any, save_directory: Any, max_shard_size: Any) -> _Plan:
     if not isinstance(model, modeling.PreTrainedModel):
         raise TypeError(f"save_pretrained: model must be a transformers PreTrainedModel, got "
                         f"{type(model).__name__}; for other models use flashfsdp.get_full_state_dict")
-    states = [state for _, state in _check_model(model, "save_pretrained")]
+    states = [state for _, state in units_of(model, "save_pretrained")]
     if not isinstance(save_directory, (str, os.PathLike)):
         raise TypeError(f"save_pretrained: save_directory must be a path, got {type(save_directory).__name__}")
     directory = os.fspath(save_directory)
     if os.path.isfile(directory):
         raise ValueError(f"save_pretrained: save_directory {directory} is a file; pass a directory")
     limit = shard_limit(max_shard_size)
-    template, owners = model.state_dict(), _owners(model)
+    template, owners = model.state_dict(), param_owners(model)
     keys = saved_keys(model, template, modeling)
     by_state: dict[int, list[str]] = {}
     plain = []

@@ -21,8 +21,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from flashfsdp.runtime.flat_param import shards_written
-
-from .init_window import close_init_windows
+from flashfsdp.runtime.init_window import close_init_windows
 
 _step_hooks = None
 

@@ -101,6 +101,12 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     return tree
 
 
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor of another dtype cast to ``dtype`` (the rest as it
+    is; containers rebuilt only where something was cast, as :func:`map_tensors` does)."""
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree)
+
+
 def _children(x: Any) -> list:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return [getattr(x, f.name) for f in dataclasses.fields(x)]

@@ -1,0 +1,60 @@
+"""Between a flat group's shard and its parameters' full values, without ``nn.Module``.
+
+:func:`gather_flat` (collective): every rank's shard of a group into one buffer of the gathered
+layout, from which the full parameters are cut out (the full state dicts, ``summon_full_params``).
+:func:`sharded_value_of` (local): a full-shape tensor or a DTensor of any placements as a tensor of
+a sharded parameter's kind, this rank's rows of it (loading state dicts, FSDP1's optimizer state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .flat_param import FlatParam
+from .param_tags import tag_of
+from .sharding_spec import is_dtensor
+
+
+@torch.no_grad()
+def gather_flat(unit, group: FlatParam, shard: torch.Tensor, full: torch.Tensor) -> None:
+    """Collective over the unit's communicator: every rank's S-element ``shard`` into ``full``.
+
+    ``shard`` is laid out like ``group.sharded_flat``; ``full`` is a W·S-element buffer of its dtype
+    on the unit's device (the gathered layout: rank r's shard at r·S). This rank's shard is copied
+    into its own slice of ``full`` and gathered in place, so nothing is allocated between the
+    ranks' agreement and the collective.
+    """
+    S = group.layout.shard_size
+    own = full[group.rank * S : (group.rank + 1) * S]
+    own.copy_(shard)  # (a CPU-offloaded shard moves to the device)
+    unit.comm.all_gather_into_tensor(full, own).wait()
+
+
+def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor:
+    """``value`` as a tensor of the sharded parameter ``param``'s kind: a DTensor of its mesh and
+    placements (this rank's rows of a full-shape tensor; another DTensor redistributed), or a
+    plain full-shape tensor where ``param`` is plain (no mesh).
+
+    Raises:
+        TypeError: ``value`` is not a tensor.
+        ValueError: a shape other than the parameter's full shape.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"'{name}' must be a tensor, got {type(value).__name__}")
+    if value.shape != param.shape:
+        raise ValueError(
+            f"'{name}' has shape {tuple(value.shape)}, but the parameter's full shape is {tuple(param.shape)}: "
+            f"pass the state dict of the same model"
+        )
+    if not is_dtensor(param):
+        return value.full_tensor() if is_dtensor(value) else value
+    if is_dtensor(value):
+        if value.device_mesh == param.device_mesh and tuple(value.placements) == tuple(param.placements):
+            return value
+        return value.redistribute(param.device_mesh, param.placements)
+    tag = tag_of(param)
+    group = tag.group
+    local = group._chunk_of(value.detach(), tag.index).to(device=param.device)
+    return group.spec.wrap(local, param.shape)
