@@ -2,7 +2,12 @@
 (deferred ones inside functions and type-checking ones included) goes one way — no module imports
 one that imports it back, directly or through others — and each layer imports only the ones below
 it: ``kernels`` nothing of flashfsdp's but ``_torch_private``, ``runtime`` no ``bindings``,
-``sim`` and ``estimate`` no ``bindings``, and nothing in the library the training job."""
+``bindings`` none of the packages built on it, ``sim`` and ``estimate`` no ``bindings``, and
+nothing in the library the training job. Outside the bindings, code reaches them only through
+their public names: ``from flashfsdp.bindings import <name>`` or ``from
+flashfsdp.bindings.state_dict import <name>``, ``<name>`` in that package's ``__all__`` (the
+bindings' ``__all__`` being part of ``flashfsdp.__all__``); the state-dict package's modules
+import one way, in the order sharded, full, optimizer, hf_save."""
 
 from __future__ import annotations
 
@@ -89,6 +94,7 @@ def _layer(name: str) -> str:
 FORBIDDEN = {
     "kernels": {"runtime", "bindings", "sim", "estimate", "optim", "checkpoint", "fsdp1", "train", "models"},
     "runtime": {"bindings", "sim", "estimate", "optim", "checkpoint", "fsdp1", "train"},
+    "bindings": {"sim", "estimate", "optim", "checkpoint", "fsdp1", "train"},
     "sim": {"bindings", "train"},
     "estimate": {"bindings", "train"},
 }
@@ -103,4 +109,69 @@ def test_layers_import_downwards_only():
                 offenders.append(f"{name} -> {dep}")
             if _layer(dep) == "train" and layer != "train":
                 offenders.append(f"{name} -> {dep} (the library never imports the training job)")
+    assert not offenders, offenders
+
+
+def _all_of(module: str) -> list[str]:
+    """The literal ``__all__`` of a flashfsdp package or module, read from its source."""
+    path = _modules()[module]
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{module} has no literal __all__")
+
+
+PUBLIC_BINDINGS = ("flashfsdp.bindings", "flashfsdp.bindings.state_dict")
+
+
+def _absolute_imports(name: str, path: pathlib.Path):
+    """(imported module, [names]) of every import statement in ``name``'s file, made absolute;
+    ``import a.b`` gives (``a.b``, [])."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            yield base, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, []
+
+
+def test_the_rest_of_the_library_uses_the_bindings_public_names_only():
+    public = {module: set(_all_of(module)) for module in PUBLIC_BINDINGS}
+    offenders = []
+    for name, path in _modules().items():
+        if name.startswith("flashfsdp.bindings"):
+            continue
+        for module, names in _absolute_imports(name, path):
+            if module != "flashfsdp.bindings" and not module.startswith("flashfsdp.bindings."):
+                continue
+            if module not in public:
+                offenders.append(f"{name} imports {module} (a module of the bindings, not {PUBLIC_BINDINGS})")
+            else:
+                offenders += [f"{name} imports {module}.{n} (not in its __all__)" for n in names if n not in public[module]]
+    assert not offenders, offenders
+
+
+def test_the_bindings_public_names_are_flashfsdps():
+    assert set(_all_of("flashfsdp.bindings")) <= set(_all_of("flashfsdp"))
+    hf_files = {"SINGLE_FILE", "INDEX_FILE", "remove_stale_weights"}  # save_pretrained's files, for the training job
+    assert set(_all_of("flashfsdp.bindings.state_dict")) - hf_files <= set(_all_of("flashfsdp.bindings"))
+
+
+STATE_DICT_ORDER = ["sharded", "full", "optimizer", "hf_save"]
+
+
+def test_the_state_dict_package_imports_one_way():
+    graph, package = _graph(), "flashfsdp.bindings.state_dict"
+    assert {m for m in graph if m.startswith(package + ".")} == {f"{package}.{m}" for m in STATE_DICT_ORDER}
+    offenders = []
+    for i, module in enumerate(STATE_DICT_ORDER):
+        for dep in graph[f"{package}.{module}"]:
+            if dep == package or (dep.startswith(package + ".") and dep.rpartition(".")[2] not in STATE_DICT_ORDER[:i]):
+                offenders.append(f"{module} -> {dep}")
     assert not offenders, offenders
