@@ -20,7 +20,7 @@ from flashfsdp.runtime.step import StepProtocol, UnitSettings
 from flashfsdp.runtime.unit import PendingReduce
 from flashfsdp.runtime.tree import map_tensors
 
-from . import elision
+from . import backward_check, elision
 from .optimizer_check import register_optimizer_check
 from .structure import check_same_structure
 
@@ -42,6 +42,7 @@ class RootContext:
         self.pending: list[PendingReduce] = []
         self.callback_task: int | None = None  # the backward whose final callback is queued
         self.forward_without_backward = False  # a grad-enabled forward whose backward has not run
+        self.backward_checked = False  # this step's first reduction checked the ranks' backwards
 
     # ---------------------------------------------------------------- StepExecutor
     def keys(self) -> list:
@@ -63,6 +64,7 @@ class RootContext:
         state.reshard(to_secondary)
 
     def reduce(self, state) -> None:
+        self.check_backward()
         state.reduce_grads()
 
     def finish_reductions(self) -> None:
@@ -78,6 +80,22 @@ class RootContext:
         return elision.needs_backward_unshard(state)
 
     # ---------------------------------------------------------------- the root's work
+    def check_backward(self) -> None:
+        """Once per step, at its backward's first hook (a unit's pre-backward, or else its first
+        reduction), before the backward's first collective: every rank runs the backward of the
+        same units with the same gradient sync (``backward_check.py``; an exchange only on a
+        root's first step and after a ``set_requires_gradient_sync``).
+
+        Raises:
+            ValueError: the ranks' backwards differ (on every rank, naming the first unit).
+        """
+        if self.backward_checked:
+            return
+        self.backward_checked = True
+        if backward_check.needs_check(self.root, self.states):
+            running = [s for s in self.states if s in self.step.forward_with_grad]
+            backward_check.check_backward_units(self.root, self.states, running)
+
     def finish_pending(self) -> None:
         """Wait for every reduce-scatter in flight and accumulate its result."""
         pending, self.pending = self.pending, []
@@ -89,6 +107,7 @@ class RootContext:
         stale (the step protocol), free unused gradient shards, and forget a forward without
         backward."""
         self.step.start_step(self.states)
+        self.backward_checked = False
         for state in self.states:
             if self.forward_without_backward:
                 state.gate.forget_inputs()  # the last forward's graph had no backward
@@ -124,6 +143,8 @@ class RootContext:
         self.step.prefetched.clear()
         self.callback_task = None
         self.forward_without_backward = False
+        self.backward_checked = False
+        self.step.forward_with_grad.clear()
         self.step.order.start_step()
 
     def end_backward(self) -> None:

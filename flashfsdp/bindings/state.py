@@ -364,6 +364,7 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
+        self.ctx.check_backward()  # the step's first backward hook: every rank runs the same units' backward
         self.ctx.step.pre_backward(self)  # record; wait unless the backward needs no parameters; prefetch
         self._mark_compute_start()
 

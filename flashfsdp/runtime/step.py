@@ -156,6 +156,8 @@ class StepProtocol:
         order: the execution order, recorded every step.
         prefetched: units unsharded ahead of their use, not used yet.
         is_last_backward: ``set_is_last_backward``: the next backward ends the step's reductions.
+        forward_with_grad: units whose forward ran with grad enabled in this step (their backward
+            is expected).
     """
 
     def __init__(self, root: Key, executor: StepExecutor, policy: PrefetchPolicy | None = None,
@@ -165,6 +167,7 @@ class StepProtocol:
         self.order = ExecutionOrder()
         self.prefetched: set = set()
         self.is_last_backward = True
+        self.forward_with_grad: set = set()
         self.log: list[tuple[str, object]] | None = [] if log else None
 
     # ---------------------------------------------------------------- actions (logged)
@@ -207,6 +210,7 @@ class StepProtocol:
         are resharded to be gathered again."""
         self.finish_reductions()
         self.order.start_step()
+        self.forward_with_grad.clear()
         for key in keys:
             if self.x.is_stale(key):
                 self.reshard(key)
@@ -221,6 +225,8 @@ class StepProtocol:
     def post_forward(self, key: Key, backward_follows: bool = True) -> None:
         """``key``'s forward ended (see the module docstring for what reshards)."""
         self.order.record_post_forward(key)
+        if backward_follows:
+            self.forward_with_grad.add(key)
         if not backward_follows:
             self.reshard(key)
             if key == self.root:  # a unit prefetched in this forward that never ran (a branch not taken)

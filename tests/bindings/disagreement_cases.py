@@ -159,35 +159,40 @@ def _states(net: nn.Module) -> tuple:
 
 
 def backward_sync_differs(rank: int, ckpt: str):
-    """After a forward, the backward check where rank 1 turned gradient sync off for one unit."""
-    from flashfsdp.bindings.backward_check import check_backward_units  # noqa: PLC0415
-
+    """A forward without grad on both ranks (the same-model check passes); then rank 1 turns
+    gradient sync off for unit '2' and both run a step: its backward's first hook checks."""
     net = model()
     step(net, rank, 1, backward=False)
-    root, states = _states(net)
     net[2].set_requires_gradient_sync(rank == 0, recurse=False)
-    check_backward_units(root, states, states)
+    step(net, rank, 2)
 
 
 def backward_units_differ(rank: int, ckpt: str):
-    """The backward check where unit '2' has no backward on rank 1."""
-    from flashfsdp.bindings.backward_check import check_backward_units  # noqa: PLC0415
+    """Unit '2''s forward runs without grad on rank 1 (so it has no backward there); both then
+    run the backward."""
+    import types  # noqa: PLC0415
 
     net = model()
-    step(net, rank, 1, backward=False)
-    root, states = _states(net)
-    check_backward_units(root, states, [s for s in states if rank == 0 or s.unit.name != "2"])
+
+    def forward(self, x):
+        h = self[1](self[0](x))
+        with torch.set_grad_enabled(rank == 0):
+            h = self[2](h)
+        return self[4](self[3](h))
+
+    net.forward = types.MethodType(forward, net)
+    step(net, rank, 1)
 
 
 def backward_check_agrees(rank: int, ckpt: str):
-    """The backward check where both ranks agree, then again with nothing changed (no exchange)."""
-    from flashfsdp.bindings.backward_check import check_backward_units, needs_check  # noqa: PLC0415
+    """Two steps where both ranks agree: the first step's backward checked, the second's did not
+    exchange (nothing changed); returns whether a check is still needed."""
+    from flashfsdp.bindings.backward_check import needs_check  # noqa: PLC0415
 
     net = model()
-    step(net, rank, 1, backward=False)
-    root, states = _states(net)
-    check_backward_units(root, states, states)
-    return needs_check(root, states)
+    step(net, rank, 1)
+    step(net, rank, 2)
+    return needs_check(*_states(net))
 
 
 def _ignored_model(rank: int):
