@@ -17,6 +17,7 @@ torch 2.6. :func:`check_torch_version` runs when this module is imported, which
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import re
 from typing import Any
@@ -179,3 +180,17 @@ def dtensor_local(tensor: torch.Tensor) -> torch.Tensor:
 def set_dtensor_local(tensor: torch.Tensor, local: torch.Tensor) -> None:
     """Make ``local`` the local tensor of the DTensor ``tensor`` (same shape and dtype as before)."""
     tensor._local_tensor = local
+
+
+# ------------------------------------------------------------------------- process-group options
+# runtime/control.py: a control group gets the timeout of the group it serves. The backend's
+# options are public in pybind, but torch.distributed has no accessor for a group's timeout.
+def group_timeout(group) -> datetime.timedelta | None:
+    """The collective timeout of process group ``group`` (its CPU backend's, else its CUDA
+    backend's), None where torch does not tell it."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001, S112 - that device has no backend here: try the next
+            continue
+    return None

@@ -187,6 +187,17 @@ def test_process_groups_are_registered_until_destroyed():
     assert world not in tp.c10d_world.pg_map and not tp.c10d_world.pg_map
 
 
+def test_a_groups_timeout_is_read_from_its_backend():
+    import datetime  # noqa: PLC0415
+
+    from flashfsdp_dev.ranks import single_process_group  # noqa: PLC0415
+
+    with single_process_group():
+        sub = dist.new_group([0], backend="gloo", timeout=datetime.timedelta(seconds=7))
+        assert tp.group_timeout(sub) == datetime.timedelta(seconds=7)
+        dist.destroy_process_group(sub)
+
+
 def test_fsdp1_wrap_helpers():
     model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
     order = []

@@ -3,20 +3,20 @@
 A rank whose backward runs over other units than the others' (a unit skipped on one rank, a
 branch taken on one rank only), or whose ``set_requires_gradient_sync`` differs, issues other
 reduce-scatters: gloo pairs collectives of different units (of equal sizes: wrong gradients
-without a sign; of unequal ones: an abort) or waits until its timeout, NCCL hangs. So at the first
-reduction of a backward, before any reduce-scatter is issued or waited for,
+without a sign; of unequal ones: an abort) or waits until its timeout, NCCL hangs. So at the start
+of a step's backward, before any of its collectives is issued,
 :func:`check_backward_units` exchanges one bit mask per communicator (per unit: does its backward
 run here, does it synchronise gradients) over the communicator's control group
 (``flashfsdp.runtime.control``), on the first step of a root and again whenever a unit's
 ``requires_gradient_sync`` changed on this rank, and every rank raises the same error naming the
 first unit and the ranks that differ. Other steps cost nothing (one tuple comparison).
 
-Call site (in the step's code, owned elsewhere): at the first reduction of each backward, before
-the unit's reduce-scatter is issued, e.g. in ``FSDPState._reduce_grads``::
-
-    backward_check.check_backward_units(ctx.root, ctx.states, running)
-
-with ``running`` the states whose backward runs in this step (those that ran forward with grad).
+Called by ``RootContext.check_backward`` (``root.py``) once per step, at the backward's first
+hook (a unit's pre-backward, else its first reduction), before any collective of the backward,
+with ``running`` the units whose forward ran with grad in this step (the step protocol's
+``forward_with_grad``). A rank that changes ``set_requires_gradient_sync`` alone checks alone: the
+others are in their backward's collectives by then, and the timeout's diagnosis names both
+(the control exchange of the backward check on one rank, an all-gather or reduce-scatter on the other).
 """
 
 from __future__ import annotations

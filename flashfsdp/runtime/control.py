@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flashfsdp._torch_private import group_timeout
+
 from . import divergence, flight
 from .process_group import all_gather_single
 
@@ -72,12 +74,7 @@ def _timeout_of(group) -> datetime.timedelta | None:
     raw = os.environ.get(TIMEOUT_ENV)
     if raw:
         return datetime.timedelta(seconds=float(raw))
-    for device in ("cpu", "cuda"):
-        try:  # the backend's options: public in pybind, no accessor of its own in torch.distributed
-            return group._get_backend(torch.device(device)).options._timeout
-        except Exception:  # noqa: BLE001, S112 - that device has no backend here: try the next
-            continue
-    return None
+    return group_timeout(group)
 
 
 def control_group(group=None) -> ControlGroup | None:

@@ -99,7 +99,7 @@ def inputs_from_profile(prof, copy_bytes: dict[str, int], accumulate_scale: floa
     are left out.
 
     Args:
-        prof: a ``flashfsdp.runtime.trace.Profile`` (resolved here).
+        prof: a ``flashfsdp.runtime.trace_profile.Profile`` (resolved here).
         copy_bytes: bytes one copy-in moves, by unit name (for ``copy_in_bytes``).
         accumulate_scale: factor on the traced accumulate time (a twin at W = 1 accumulates W
             times the shard: ``1 / W``).
