@@ -182,24 +182,34 @@ def _run_system(rank: int, world_size: int, system: str, args) -> dict:
     out = {"step_ms": statistics.median(times), "fwd_bwd_ms": statistics.median(fwd_bwd),
            "peak_bytes": memory.peak_bytes(), "memory": memory.description,
            "params": sum(p.numel() for p in _model(args, torch.device("meta")).parameters())}
-    if system.startswith("flashfsdp") and args.profile_steps > 0:
+    if args.profile_steps > 0:
+        out.update(_profiled(rank, system, model, step, device, args.profile_steps))
+    return out
+
+
+def _profiled(rank: int, system: str, model: nn.Module, step, device: torch.device, steps: int) -> dict:
+    """``steps`` more steps, profiled: flashfsdp's communication, exposed time and all-gathered
+    bytes per step (rank 0's spans of the last step for the timeline), or FSDP2's backward
+    all-gather bytes per step; nothing for the other systems."""
+    out: dict = {}
+    if system.startswith("flashfsdp"):
         import flashfsdp  # noqa: PLC0415
 
         with flashfsdp.profile(device.type) as prof:
-            for _ in range(args.profile_steps):
+            for _ in range(steps):
                 step()
         summary = prof.summary()
-        out.update(comm_ms=summary["comm_ms"] / args.profile_steps, exposed_ms=summary["exposed_ms"] / args.profile_steps,
-                   all_gather_bytes=_all_gathered_bytes(model, prof.spans) / args.profile_steps,
-                   bwd_all_gather_bytes=flashfsdp_backward_bytes(summary) / args.profile_steps)
+        out.update(comm_ms=summary["comm_ms"] / steps, exposed_ms=summary["exposed_ms"] / steps,
+                   all_gather_bytes=_all_gathered_bytes(model, prof.spans) / steps,
+                   bwd_all_gather_bytes=flashfsdp_backward_bytes(summary) / steps)
         if rank == 0 and system == "flashfsdp":
             out["spans"] = [(s.kind, s.unit, s.stream, s.step, float(s.start), float(s.end)) for s in prof.spans
                             if s.step == prof.step]
-    if system == "fsdp2" and args.profile_steps > 0:  # as many extra steps, counting its backward all-gathers
+    if system == "fsdp2":  # counting its backward all-gathers
         with fsdp2_backward_bytes() as counted:
-            for _ in range(args.profile_steps):
+            for _ in range(steps):
                 step()
-        out["bwd_all_gather_bytes"] = counted["bytes"] / args.profile_steps
+        out["bwd_all_gather_bytes"] = counted["bytes"] / steps
     return out
 
 
@@ -379,21 +389,11 @@ def _compile_notes(args) -> list[str]:
             f"the root uncompiled; compilation happens in the {args.warmup} warm-up steps, not timed."]
 
 
-def main(argv=None) -> list[dict]:
-    """Run the benchmark (see the module docstring); return the rows written."""
-    args = parse_args(argv)
-    device, env, backend = device_setup(args.device)
-    rows, spans = [], None
-    # Systems run in turn, round after round (A B C D A B C D ...), so that a machine whose speed
-    # drifts (shared CPU cores) slows every system alike; each figure is the median over rounds.
-    rounds: dict[str, list[list[dict]]] = {system: [] for system in args.systems}
-    with single_process_group(backend) if args.in_process else contextlib.nullcontext():
-        for _ in range(args.rounds):
-            for system in args.systems:
-                rounds[system].append(run_ranks(_run_system, args.world_size, system, args, backend=backend,
-                                                in_process=args.in_process))
-    spreads = _round_spreads(rounds)
-    memory = "?"
+def _rows(rounds: dict[str, list[list[dict]]], args, env) -> tuple[list[dict], list | None, str]:
+    """One row per system from every round's per-rank results (each figure: the median over the
+    rounds, the slowest rank's), with the overheads against the unsharded model and the ratio
+    to FSDP2; rank 0's spans for the timeline; the memory meter's description."""
+    rows, spans, memory = [], None, "?"
     for system in args.systems:
         runs = rounds[system]
         results = runs[0]
@@ -426,6 +426,23 @@ def main(argv=None) -> list[dict]:
                                       if "unsharded" in by else math.nan)
         r["vs_fsdp2"] = r["step_ms"] / by["fsdp2"]["step_ms"] if "fsdp2" in by else math.nan
         r["vs_unsharded"] = r["step_ms"] / by["unsharded"]["step_ms"] if "unsharded" in by else math.nan
+    return rows, spans, memory
+
+
+def main(argv=None) -> list[dict]:
+    """Run the benchmark (see the module docstring); return the rows written."""
+    args = parse_args(argv)
+    device, env, backend = device_setup(args.device)
+    # Systems run in turn, round after round (A B C D A B C D ...), so that a machine whose speed
+    # drifts (shared CPU cores) slows every system alike; each figure is the median over rounds.
+    rounds: dict[str, list[list[dict]]] = {system: [] for system in args.systems}
+    with single_process_group(backend) if args.in_process else contextlib.nullcontext():
+        for _ in range(args.rounds):
+            for system in args.systems:
+                rounds[system].append(run_ranks(_run_system, args.world_size, system, args, backend=backend,
+                                                in_process=args.in_process))
+    spreads = _round_spreads(rounds)
+    rows, spans, memory = _rows(rounds, args, env)
     rows = [{c: r[c] for c in COLUMNS} | env.stamp() for r in rows]
     print(f"{env.device_name}: W={args.world_size} {backend}, Llama dim {args.dim} x {args.layers} layers, "
           f"seq {args.seq}, {args.batch} seq/rank, {args.param_dtype}")

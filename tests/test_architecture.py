@@ -175,3 +175,23 @@ def test_the_state_dict_package_imports_one_way():
             if dep == package or (dep.startswith(package + ".") and dep.rpartition(".")[2] not in STATE_DICT_ORDER[:i]):
                 offenders.append(f"{module} -> {dep}")
     assert not offenders, offenders
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 60
+
+
+def test_no_file_over_500_lines_and_no_function_over_60():
+    """In flashfsdp/ and benchmarks/: a file past 500 lines holds more than one concern, a
+    function past 60 (its docstring included) more than one step; split them by job."""
+    too_long = []
+    for root in (PACKAGE, PACKAGE.parent / "benchmarks"):
+        for path in sorted(root.rglob("*.py")):
+            source = path.read_text()
+            if source.count("\n") > MAX_FILE_LINES:
+                too_long.append(f"{path.name}: {source.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES:
+                        too_long.append(f"{path.name}: {node.name}() {length} lines")
+    assert not too_long, too_long

@@ -28,9 +28,9 @@ def clip_grad_norm_(
     Sharded parameters (DTensors over their unit's flat shard) contribute their local chunk,
     summed over the unit's ranks (max for ``norm_type=inf``) in one all-reduce per unit
     communicator; other parameters (e.g. ``ignored_params``) count once, when their gradients are
-the same on every rank (else every rank raises: see Returns). The stock
-    ``torch.nn.utils.clip_grad_norm_`` gives the same norm on DTensor gradients (FSDP2's way:
-    one DTensor reduction per parameter group); this one reads the units' flat layout instead.
+    the same on every rank (else every rank raises: see Returns). The stock
+    ``torch.nn.utils.clip_grad_norm_`` gives the same norm on DTensor gradients (FSDP2's way: one
+    DTensor reduction per parameter group); this one reads the units' flat layout instead.
     The norm is read from the gradients as they are now: a squared norm cached at the reduction
     could be stale without any sign of it (torch's ``GradScaler.unscale_`` and in-place ops
     through ``.grad.data`` change gradients without bumping their version counters).
@@ -62,11 +62,7 @@ the same on every rank (else every rank raises: see Returns). The stock
     """
     close_init_windows()
     params = list(model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params)
-    error = None
-    try:
-        norm_type = _check_args(max_norm, norm_type)
-    except ValueError as exc:
-        error, norm_type = exc, 2.0  # (this rank still takes part in the all-reduces)
+    norm_type, error = _checked_args(max_norm, norm_type)
     grads = [local_of(p.grad) for p in params if p.grad is not None]
     comms = unit_communicators(params)
     if not grads and not comms:
@@ -80,11 +76,12 @@ the same on every rank (else every rank raises: see Returns). The stock
     return total_norm
 
 
-def _check_args(max_norm: float, norm_type: float) -> float:
-    """``norm_type`` as a float; ValueError for a bad ``max_norm`` or ``norm_type``."""
+def _checked_args(max_norm: float, norm_type: float) -> tuple[float, ValueError | None]:
+    """(``norm_type`` as a float, None), or (2.0, the ValueError) for a bad ``max_norm`` or
+    ``norm_type``: this rank still takes part in the all-reduces, which carry the error."""
     if not max_norm > 0:
-        raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        return 2.0, ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
     norm_type = float(norm_type)
     if not norm_type > 0:
-        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
-    return norm_type
+        return 2.0, ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
+    return norm_type, None
