@@ -2,8 +2,8 @@
 
 Prints the tables and writes ``soak.csv`` / ``soak.md``, ``faults.csv`` / ``faults.md`` and the
 fault table's disagreement scenarios ``disagreements.csv`` / ``disagreements.md`` (``*_quick.*``
-with ``--quick``) to ``--out`` (default ``bench-results/cpu/``; ``--record``:
-``benchmarks/results/cpu/``).
+with ``--quick``; ``--only soak|faults|disagreements``: that part and its files alone) to
+``--out`` (default ``bench-results/cpu/``; ``--record``: ``benchmarks/results/cpu/``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from benchmarks.tables import format_table, write_csv, write_markdown
 FAULT_COLUMNS = ["fault", "victim", "fault_reached", "rank0", "rank0_error_s", "rank0_destroyed_s", "rank0_end_s",
                  "rank1", "rank1_error_s", "rank1_destroyed_s", "rank1_end_s", "all_ended", "loaded_step", "expected_step", "load_ok",
                  "meets_target"]
+PARTS = ("soak", "faults", "disagreements")
 DISAGREEMENT_COLUMNS = ["scenario", "rank0", "rank0_surfaced_s", "rank0_named", "rank1", "rank1_surfaced_s",
                         "rank1_named", "all_ended", "meets_target"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; ``--quick``: a plain soak run of 4 steps, the first fault only and one
-    disagreement (the one that surfaces without waiting for the timeout).
+    disagreement (the one that surfaces without waiting for the timeout); ``--only PART``: that
+    part alone (its files alone written).
 
     Raises SystemExit (argparse's error) for fewer than 2 steps or a non-positive timeout.
     """
@@ -39,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="soak steps (default 1000; 4 with --quick)")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="collective timeout of the fault runs, seconds (default 10)")
+    parser.add_argument("--only", choices=PARTS, default=None,
+                        help="run and write one part only: the soak, the faults or the disagreements")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.steps is None:
@@ -61,13 +65,14 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     _, env, _ = device_setup("cpu")
-    soak = run_soak(args.steps, profiled=False)
-    if not args.quick:
+    runs = {part: args.only in (None, part) for part in PARTS}
+    soak = run_soak(args.steps, profiled=False) if runs["soak"] else []
+    if runs["soak"] and not args.quick:
         soak += run_soak(args.steps, profiled=True) + run_soak(args.steps, profiled="aggregate")
-    faults = [run_fault(fault, args.timeout) for fault in (FAULTS[:1] if args.quick else FAULTS)]
+    faults = [run_fault(fault, args.timeout) for fault in (FAULTS[:1] if args.quick else FAULTS) if runs["faults"]]
     with tempfile.TemporaryDirectory() as ckpt_dir:
         disagreements = [run_disagreement(d, args.timeout, ckpt_dir) for d in DISAGREEMENTS
-                         if not args.quick or d.name == QUICK_DISAGREEMENT]
+                         if runs["disagreements"] and (not args.quick or d.name == QUICK_DISAGREEMENT)]
     soak, faults = [r | env.stamp() for r in soak], [r | env.stamp() for r in faults]
     disagreements = [r | env.stamp() for r in disagreements]
     columns = _soak_columns(args.steps)
@@ -81,15 +86,18 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
         print(f"  {row['scenario']}: {row['diagnosis']}")
     out = output_dir(env.slug, out=args.out, record=args.record)
     suffix = "_quick" if args.quick else ""
-    write_csv(soak, out / f"soak{suffix}.csv")
-    write_csv(faults, out / f"faults{suffix}.csv")
-    write_markdown(soak, columns + environment_columns(), out / f"soak{suffix}.md", title="Soak: leaks over a long run",
-                   env=env, notes=_soak_notes(args.steps))
-    write_markdown(faults, FAULT_COLUMNS + ["survivor_error"], out / f"faults{suffix}.md", title="Faults",
-                   env=env, notes=_fault_notes(args.timeout))
-    write_csv(disagreements, out / f"disagreements{suffix}.csv")
-    write_markdown(disagreements, DISAGREEMENT_COLUMNS + ["diagnosis"], out / f"disagreements{suffix}.md",
-                   title="Faults: ranks that disagree", env=env, notes=_disagreement_notes(args.timeout))
+    if runs["soak"]:
+        write_csv(soak, out / f"soak{suffix}.csv")
+        write_markdown(soak, columns + environment_columns(), out / f"soak{suffix}.md",
+                       title="Soak: leaks over a long run", env=env, notes=_soak_notes(args.steps))
+    if runs["faults"]:
+        write_csv(faults, out / f"faults{suffix}.csv")
+        write_markdown(faults, FAULT_COLUMNS + ["survivor_error"], out / f"faults{suffix}.md", title="Faults",
+                       env=env, notes=_fault_notes(args.timeout))
+    if runs["disagreements"]:
+        write_csv(disagreements, out / f"disagreements{suffix}.csv")
+        write_markdown(disagreements, DISAGREEMENT_COLUMNS + ["diagnosis"], out / f"disagreements{suffix}.md",
+                       title="Faults: ranks that disagree", env=env, notes=_disagreement_notes(args.timeout))
     return soak, faults
 
 

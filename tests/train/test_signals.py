@@ -87,7 +87,7 @@ def test_a_signal_to_the_launcher_saves_the_step_it_reports_and_the_run_resumes(
     # the training job gives the flight recorder its run directory: each worker dumped its ring
     assert sorted(report["rank"] for report in load_dumps(str(out))) == [0, 1]
     if sig == signal.SIGINT:
-        return  # resuming is the same for both (and test_train resumes after a Ctrl-C)
+        return  # resuming is the same for both signals
 
     resumed = subprocess.run([sys.executable, "-m", "flashfsdp.train", "--resume", "--out", str(out),
                               "--nproc", "1", "--steps", str(int(step) + 1)],

@@ -26,25 +26,26 @@ def _metrics(out) -> list[dict]:
 
 def test_train_two_ranks_then_resume_at_one(tmp_path):
     out = tmp_path / "run"
-    done = _train("--preset", "tiny", "--steps", "30", "--out", str(out), "--eval-every", "10", "--save-every", "30")
+    done = _train("--preset", "tiny", "--steps", "16", "--out", str(out), "--eval-every", "8", "--save-every", "16",
+                  "--sample-tokens", "24")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _metrics(out)
     train = {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert {r["world_size"] for r in rows if "world_size" in r} == {2}
-    assert train[30] < train[1] - 1.0 and val[-1] < val[0] - 1.0
-    assert latest(str(out / "checkpoints")).endswith("step_30")
+    assert train[16] < train[1] - 1.0 and val[-1] < val[0] - 1.0
+    assert latest(str(out / "checkpoints")).endswith("step_16")
     assert (out / "loss.png").stat().st_size > 0 and (out / "samples.txt").read_text().strip()
     saved_val = val[-1]
 
-    resumed = _train("--resume", "--out", str(out), "--nproc", "1", "--steps", "32")
+    resumed = _train("--resume", "--out", str(out), "--nproc", "1", "--steps", "18")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = _metrics(out)
     (first,) = [r for r in rows if r.get("resumed")]
-    assert first["step"] == 30 and first["world_size"] == 1
+    assert first["step"] == 16 and first["world_size"] == 1
     assert first["val_loss"] == pytest.approx(saved_val, rel=1e-4)  # the saved model, at another W
-    assert [r["step"] for r in rows if "train_loss" in r][-2:] == [31, 32]
-    assert latest(str(out / "checkpoints")).endswith("step_32")
+    assert [r["step"] for r in rows if "train_loss" in r][-2:] == [17, 18]
+    assert latest(str(out / "checkpoints")).endswith("step_18")
 
 
 @pytest.mark.parametrize(
@@ -71,9 +72,10 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message):
     assert not (out / "checkpoints").exists()
 
 
-def test_ctrl_c_saves_a_final_checkpoint_and_resume_continues(tmp_path):
+def test_ctrl_c_saves_a_final_checkpoint(tmp_path):
     """SIGINT to the whole process group (what a terminal's Ctrl-C sends): every rank stops after
-    the same step, a checkpoint of that step is saved, the exit code is 130, and --resume goes on."""
+    the same step, a checkpoint of that step is saved and the exit code is 130 (that such a
+    checkpoint resumes, at another number of ranks: test_signals.py and test_run_lock.py)."""
     import signal  # noqa: PLC0415
     import time  # noqa: PLC0415
 
@@ -102,7 +104,3 @@ def test_ctrl_c_saves_a_final_checkpoint_and_resume_continues(tmp_path):
     last = max(r["step"] for r in _metrics(out) if "train_loss" in r)
     assert 1 <= last < 1000
     assert latest(str(out / "checkpoints")).endswith(f"step_{last}")
-
-    resumed = _train("--resume", "--out", str(out), "--nproc", "1", "--steps", str(last + 1))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["step"] for r in _metrics(out) if "train_loss" in r][-1] == last + 1
