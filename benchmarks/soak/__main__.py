@@ -76,12 +76,13 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
     soak, faults = [r | env.stamp() for r in soak], [r | env.stamp() for r in faults]
     disagreements = [r | env.stamp() for r in disagreements]
     columns = _soak_columns(args.steps)
-    print(f"{env.device_name}: soak, W = 2 gloo, {args.steps} steps")
-    print(format_table(soak, columns))
-    print(f"\nfaults, W = 2 gloo, collective timeout {args.timeout:g} s")
-    print(format_table(faults, FAULT_COLUMNS))
-    print(f"\nfaults: ranks that disagree, W = 2 gloo, collective timeout {args.timeout:g} s")
-    print(format_table(disagreements, DISAGREEMENT_COLUMNS))
+    if runs["soak"]:
+        print(f"{env.device_name}: soak, W = 2 gloo, {args.steps} steps\n{format_table(soak, columns)}\n")
+    if runs["faults"]:
+        print(f"faults, W = 2 gloo, collective timeout {args.timeout:g} s\n{format_table(faults, FAULT_COLUMNS)}\n")
+    if runs["disagreements"]:
+        print(f"faults: ranks that disagree, W = 2 gloo, collective timeout {args.timeout:g} s\n"
+              f"{format_table(disagreements, DISAGREEMENT_COLUMNS)}")
     for row in disagreements:
         print(f"  {row['scenario']}: {row['diagnosis']}")
     out = output_dir(env.slug, out=args.out, record=args.record)

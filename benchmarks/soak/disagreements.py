@@ -10,7 +10,7 @@ ranks part ways:
 - "skipped backward, then save": rank 1 runs the second step's forward without its backward;
   both then save;
 - "differing gradient sync, then save": rank 1 turns ``set_requires_gradient_sync`` off for the
-  second step; both then save;
+  second step (so it checks its backward again, alone); both then save;
 - "int8 all-gathers on one rank": rank 1 builds the model with
   ``MixedPrecisionPolicy(all_gather_dtype=torch.int8)``.
 
@@ -52,8 +52,8 @@ DISAGREEMENTS = (
                                                "rank 1 waits in the all-gather")),
     Disagreement("skipped backward, then save", ("rank 0 waits in the all-gather",
                                                  "rank 1 waits in the control exchange of checkpoint.save")),
-    Disagreement("differing gradient sync, then save", ("rank 0 waits in the reduce-scatter",
-                                                        "rank 1 waits in the control exchange of checkpoint.save")),
+    Disagreement("differing gradient sync, then save", ("rank 0 waits in the all-gather",
+                                                        "rank 1 waits in the control exchange of the backward check")),
     Disagreement("int8 all-gathers on one rank", ("all_gather_dtype None on rank 0",
                                                   "all_gather_dtype torch.int8 on rank 1")),
 )
