@@ -183,6 +183,37 @@ def train_parity_shard_placement_fn_shard_largest_dim(rank, world_size, impl):
     return {"losses": torch.stack(losses)}
 
 
+def _single_group_largest_dim(rank, impl, lin_shapes, steps: int = 5):
+    """Upstream's ``_test_train_parity_single_group`` with the largest-dim placement: Linear-ReLU-
+    Linear as one unit, Adam on it and on the replicated reference; losses per step."""
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Linear(*lin_shapes[0]), nn.ReLU(), nn.Linear(*lin_shapes[1]))
+    broadcast_params(model)
+    ref = copy.deepcopy(model)
+    impl.fully_shard(model, shard_placement_fn=largest_dim)
+    check_placed(impl, model, ref, largest_dim)
+    rank_seed(rank)
+    inp = torch.randn(4, lin_shapes[0][0])
+    return train_parity(impl, ref, model, lambda i: inp, steps=steps)
+
+
+@cases.case()
+def train_parity_single_group_shard_largest_dim(rank, world_size, impl):
+    """Upstream: test_fully_shard_training.py::TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_largest_dim
+    (5 Adam steps, upstream 10): shapes whose largest dims split evenly over W = 2 (FSDP2 refuses
+    uneven ones on dim 1; see the next case)."""
+    return {str(s): _single_group_largest_dim(rank, impl, s) for s in ([(16, 16), (16, 8)], [(7, 16), (16, 4)])}
+
+
+@cases.case(world_size=4, torch_reason=UNEVEN)
+def train_parity_single_group_shard_largest_dim_uneven(rank, world_size, impl):
+    """flashfsdp: the upstream dim-0 case's shapes with the largest-dim placement at W = 4, where
+    (15, 16), (8, 15), (3, 15) and (17, 16), (8, 17) split unevenly (a (3, 15) weight on dim 1:
+    4, 4, 4, 3 columns)."""
+    return {str(s): _single_group_largest_dim(rank, impl, s)
+            for s in ([(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)])}
+
+
 @cases.case(world_size=4)
 def shard_placement_fn_contiguous_params_grads(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardShardPlacementFnMultiThread::test_shard_placement_fn_contiguous_params_grads:
@@ -214,6 +245,25 @@ def shard_placement_fn_contiguous_params_grads(rank, world_size, impl):
         assert p.grad.is_contiguous() and impl.local(p.grad).is_contiguous()
     impl.record_types("grads", [p.grad for p in model.parameters()])
     return {"grads": impl.full_grads(model)}
+
+
+@cases.case()
+def train_parity_frozen_params_shard_dim1(rank, world_size, impl):
+    """A unit whose ``Shard(1)`` and ``Shard(0)`` parameters are partly frozen, one before
+    ``fully_shard`` (the last Linear's bias) and two after it (the first Linear's weight and bias:
+    the rest of their group is then reduced alone, in the trainable parameters' layout): the
+    others train as the reference's, frozen ones get no gradient (3 Adam steps)."""
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 8), nn.Linear(8, 2))
+    broadcast_params(model)
+    model[3].bias.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    impl.fully_shard(model, shard_placement_fn=lambda param: Shard(1) if param.ndim > 1 else None)
+    for m in (model, ref):
+        m[0].weight.requires_grad_(False)
+        m[0].bias.requires_grad_(False)
+    rank_seed(rank)
+    return train_parity(impl, ref, model, lambda i: torch.randn(3, 4), steps=3)
 
 
 @cases.case(world_size=4)
@@ -383,8 +433,10 @@ def meta_init_window_shard_last_dim(rank, world_size, impl):
 @cases.case(world_size=4, torch_reason="flashfsdp.optim steps a unit's flat shard")
 def flashfsdp_optim_uneven_shard_dim1(rank, world_size, impl):
     """flashfsdp: ``flashfsdp.optim.AdamW`` and ``SGD`` (momentum) over uneven ``Shard(1)``
-    parameters (W = 4) train as torch's optimizers on the replicated reference (3 steps); their
-    states are DTensors of the parameters' placements and local shapes."""
+    parameters (W = 4), after ``flashfsdp.clip_grad_norm_`` (the norm over the units' shards),
+    train as torch's optimizers on the replicated reference after the stock ``clip_grad_norm_``
+    (3 steps); their states are DTensors of the parameters' placements and local shapes."""
+    import flashfsdp  # noqa: PLC0415
     import flashfsdp.optim as fo  # noqa: PLC0415
 
     out = {}
@@ -405,6 +457,8 @@ def flashfsdp_optim_uneven_shard_dim1(rank, world_size, impl):
                 dist.all_reduce(q.grad)
                 q.grad.div_(world_size)
             model(inp).sum().backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            torch.testing.assert_close(flashfsdp.clip_grad_norm_(model, 0.5), ref_norm, **FP32)
             optim.step()
             ref_optim.step()
             optim.zero_grad()
