@@ -410,6 +410,52 @@ def meta_init_shard_largest_dim(rank, world_size, impl):
     return train_parity(impl, ref, model, lambda i: torch.randint(0, 8, (2, 16)), steps=1)
 
 
+@cases.case()
+def to_float64_after_init_shard_last_dim(rank, world_size, impl):
+    """``model.to(torch.float64)`` after ``fully_shard`` with last-dim placements: the parameters
+    stay DTensors of their placements in float64 and train as the float64 reference (2 steps)."""
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    broadcast_params(model)
+    ref = copy.deepcopy(model).to(torch.float64)
+    impl.fully_shard(model, shard_placement_fn=lambda param: Shard(-1))
+    model.to(torch.float64)
+    check_placed(impl, model, ref, lambda param: Shard(-1))
+    assert all(p.dtype == torch.float64 and impl.local(p).dtype == torch.float64 for p in model.parameters())
+    rank_seed(rank)
+    return train_parity(impl, ref, model, lambda i: torch.randn(3, 4, dtype=torch.float64), steps=2)
+
+
+@cases.case(torch_reason="flashfsdp's load_state_dict takes full-shape tensors and DTensors of other placements")
+def load_state_dict_other_layouts_shard_dim1(rank, world_size, impl):
+    """flashfsdp: a model with ``Shard(1)`` matrices loads a plain (full-shape) state dict, the
+    state dict of a model sharded on dim 0 (DTensors redistributed to ``Shard(1)``), and a plain
+    one with ``assign=True``, and a full-shape parameter assigned in place of a sharded one (taken
+back at the next forward); each time its
+    chunks are DTensor's chunks of the source's values."""
+    torch.manual_seed(42)
+    src = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 4))
+    broadcast_params(src)
+    placement = lambda param: Shard(1) if param.ndim > 1 else None  # noqa: E731
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 4))
+    impl.fully_shard(model, shard_placement_fn=placement)
+    model.load_state_dict(src.state_dict())
+    check_placed(impl, model, src, lambda p: placement(p) or Shard(0))
+    dim0 = copy.deepcopy(src)
+    with torch.no_grad():
+        for p in dim0.parameters():
+            p.mul_(3.0)
+    expected = copy.deepcopy(dim0)
+    impl.fully_shard(dim0)
+    model.load_state_dict(dim0.state_dict())
+    check_placed(impl, model, expected, lambda p: placement(p) or Shard(0))
+    model.load_state_dict(src.state_dict(), assign=True)
+    model[1].weight = nn.Parameter(src[1].weight.detach().clone())  # a full tensor, taken back
+    model(torch.randn(2, 5)).sum().backward()
+    check_placed(impl, model, src, lambda p: placement(p) or Shard(0))
+    return impl.full_params(model)
+
+
 @cases.case(torch_reason="flashfsdp's init window: a sharded parameter acts as its full-shape tensor")
 def meta_init_window_shard_last_dim(rank, world_size, impl):
     """flashfsdp: a meta-device model sharded on every parameter's last dim, ``to_empty``, then
