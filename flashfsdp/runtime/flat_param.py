@@ -359,7 +359,12 @@ class FlatParam(GradShard):
 
     def copy_out(self) -> None:
         """Move every chunk from the gathered buffer into the unsharded parameters (one
-        ``unflatten`` launch), then free the gathered buffer; nothing to do when zero-copy."""
+        ``unflatten`` launch), then free the gathered buffer; nothing to do when zero-copy.
+
+        The kernel's segments are runs of elements, which a chunk along a dim k != 0 is not
+        (``Shard(k)`` parameters, ``layout.strided``): those parameters are reassembled along k
+        with torch ops instead (``dim_chunks.chunks_to_full``: at most two strided copies each,
+        on the current stream), after the launch for the others."""
         if self.gathered is self.unsharded_flat:
             return
         with torch.no_grad():
@@ -372,7 +377,8 @@ class FlatParam(GradShard):
     def gathered_to_unsharded(self, gathered: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy-out of any W·S-element buffer in the gathered layout (e.g. master weights
         all-gathered in their own dtype): a buffer in the unsharded layout (``out``, or new, of
-        ``gathered``'s dtype and device; one ``unflatten`` launch)."""
+        ``gathered``'s dtype and device; one ``unflatten`` launch, and torch ops for the
+        ``Shard(k)`` parameters, k != 0, as in :meth:`copy_out`)."""
         lay = self.layout
         if out is None:
             out = torch.empty(lay.unsharded_size, dtype=gathered.dtype, device=gathered.device)
@@ -383,8 +389,9 @@ class FlatParam(GradShard):
         with torch.no_grad():
             if targets:
                 unflatten(gathered, [s.gathered_offset for s in lay.segments], targets)
-            for i, view in zip(lay.strided, (self.unsharded_views(out)[i] for i in lay.strided)):
-                chunks_to_full(gathered, lay, i, view)
+            views = self.unsharded_views(out) if lay.strided else []
+            for i in lay.strided:
+                chunks_to_full(gathered, lay, i, views[i])
         return out
 
     def unsharded_to_local(self, unsharded: torch.Tensor, shard: torch.Tensor, positions=None) -> None:
@@ -398,7 +405,8 @@ class FlatParam(GradShard):
     def secondary_copy(self, parts: int, index: int) -> torch.Tensor:
         """A copy of slice ``index`` of ``parts`` of the gathered layout, built from the unsharded
         parameters (the gathered buffer is freed by then): what a rank keeps after forward when
-        it reshards to a group of ``parts`` ranks (``reshard_after_forward=<int>``)."""
+        it reshards to a group of ``parts`` ranks (``reshard_after_forward=<int>``); the chunks of
+        ``Shard(k)`` parameters, k != 0, of the slice's ranks are cut along k with torch ops."""
         n = self.layout.gathered_size // parts
         if self.gathered is self.unsharded_flat:
             return self.unsharded_flat[index * n : (index + 1) * n].clone()

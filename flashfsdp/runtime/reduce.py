@@ -272,8 +272,11 @@ def pack(group: FlatParam, grads: list, local: list[bool], reduce_dtype: torch.d
          rlayout: ReduceLayout, device: torch.device) -> torch.Tensor:
     """The reduce-scatter input (W segments of ``rlayout.segment`` elements, ``reduce_dtype``):
     chunk r of each reduced gradient, scaled, at rank r's segment's shard offsets, then the
-    flags ``local`` of the reduced parameters in every segment; one ``flatten`` launch. With a
-    no-sync accumulation buffer, these gradients are added into it first and it is the source."""
+    flags ``local`` of the reduced parameters in every segment; one ``flatten`` launch. The
+    chunks of ``Shard(k)`` gradients, k != 0, are not runs the launch can move: after it (which
+    zeroes their ranges) they are cut along k into their segments with torch ops
+    (``dim_chunks.full_to_chunks``, the cast then the power-of-two ``scale``). With a no-sync
+    accumulation buffer, these gradients are added into it first and it is the source."""
     accum = group.unsharded_accum
     if accum is not None:
         sources = group.unsharded_views(accum)

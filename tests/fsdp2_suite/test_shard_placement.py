@@ -301,6 +301,26 @@ def train_parity_mixed_precision_shard_largest_dim(rank, world_size, impl):
     return {"losses": torch.stack(losses), "grads": grads}
 
 
+@cases.case(rtol=1e-2, atol=1e-2)
+def gradient_accumulation_no_sync_shard_largest_dim(rank, world_size, impl):
+    """Largest-dim placements, bf16 parameters with fp32 reduction: two micro-batches without
+    gradient sync (accumulated unsharded, in fp32), then one with it; the reduced gradients and
+    the loss after an SGD step, compared with torch's (bf16 tolerance)."""
+    model = transformer()
+    mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard_transformer(impl, model, shard_placement_fn=largest_dim, mp_policy=mp)
+    optim = torch.optim.SGD(model.parameters(), lr=1e-2)
+    rank_seed(rank)
+    inps = [torch.randint(0, 8, (2, 16)) for _ in range(3)]
+    for i, inp in enumerate(inps):
+        model.set_requires_gradient_sync(i == len(inps) - 1)
+        model(inp).float().sum().backward()
+    impl.record_types("grads", [p.grad for p in model.parameters()])
+    grads = impl.full_grads(model)
+    optim.step()
+    return {"grads": grads, "loss": model(inps[0]).float().sum().detach()}
+
+
 @cases.case(world_size=4, torch_reason="torch's fully_shard fails in its backward all-gather's copy-out "
                                         "(IndexError) with reshard_after_forward=<int> and Shard(1) parameters")
 def train_parity_reshard_after_forward_int_shard_dim1(rank, world_size, impl):
