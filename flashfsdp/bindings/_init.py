@@ -397,33 +397,65 @@ def check_communicator_matches(comm: Communicator, group) -> None:
         )
 
 
-def check_shard_placement_fn(fn: Callable | None, params: list[nn.Parameter], fqns: list[str]) -> None:
-    """FSDP2's ``shard_placement_fn``: ``Shard(0)`` (or None) for every parameter is what flat
-    units do anyway; anything else cannot be honoured.
+def check_shard_placement_fn(fn: Callable | None, params: list[nn.Parameter], fqns: list[str]) -> list[int] | None:
+    """FSDP2's ``shard_placement_fn``: each parameter's shard dim, normalised to ``0 <= k < ndim``.
+
+    ``fn`` is called once per parameter (the full, unsharded ``nn.Parameter``) and returns
+    ``Shard(k)`` or None (``Shard(0)``), as FSDP2's.
 
     [Note: shard placements]
-    A flat unit shards the *flattened unit* (all its parameters end to end, split into W equal
-    ranges), not a dimension of each tensor; per-parameter dim-0 sharding (FSDP2's default) has
-    no other observable effect than the ranks' pieces, which state dicts and DCP describe as they
-    are. A placement on another dimension (e.g. ``Shard(1)`` for a tensor-parallel layout or an
-    optimizer that wants whole rows) would need per-parameter sharding.
+    A parameter placed ``Shard(k)`` is sharded as FSDP2 shards it: its sharded parameter is a
+    DTensor of the full shape placed ``(Shard(k),)`` on the unit's mesh (HSDP
+    ``(Replicate(), Shard(k))``), whose local tensor is this rank's chunk
+    ``torch.chunk(p, W, dim=k)[r]`` (contiguous; empty past the end); its gradient is a DTensor of
+    the same placement. In the unit's flat shard the chunk is padded to ceil(d_k / W) rows like a
+    dim-0 chunk (``runtime/layout.py``, [Note: Shard(k) parameters]). The all-gather and
+    reduce-scatter are the unit's one collective each; only the moves between the flat buffers
+    and the full parameter or gradient differ: a dim-0 chunk is one run of the full tensor (the
+    ``flatten``/``unflatten`` kernels move all of them in one launch), a chunk along k != 0 is
+    not, so those parameters are copied along k with torch ops (``runtime/dim_chunks.py``: one
+    extra copy per parameter and direction, as FSDP2's ``torch.cat``/``torch.chunk`` for them).
+    Unlike FSDP2, a dim k != 0 whose size W does not divide is accepted (chunks as
+    ``torch.chunk``'s, as DTensor's ``distribute_tensor`` cuts them), since the local chunk is
+    contiguous here.
+
+    Returns:
+        None when ``fn`` is None or every placement is ``Shard(0)``/None, else one dim per parameter.
 
     Raises:
         TypeError: ``fn`` is not callable.
-        NotImplementedError: ``fn`` returns a placement other than None or ``Shard(0)``.
+        ValueError: ``fn`` returns something other than a ``Shard`` or None (e.g. ``Replicate()``),
+            or a dim out of range for the parameter (``-ndim <= k < ndim``); the parameter is named.
+        NotImplementedError: ``fn`` returns a ``ShardPlacementResult`` (a mesh of its own for one
+            parameter) or a ``_StridedShard``.
     """
     if fn is None:
-        return
+        return None
     if not callable(fn):
         raise TypeError(f"fully_shard: shard_placement_fn must be callable or None, got {type(fn).__name__}")
+    dims = [_placement_dim(fn(param), param, fqn) for param, fqn in zip(params, fqns)]
+    return dims if any(dims) else None
+
+
+def _placement_dim(placement, param: nn.Parameter, fqn: str) -> int:
+    """The dim ``placement`` (one result of ``shard_placement_fn``) shards ``param`` along."""
     from torch.distributed.tensor import Shard  # noqa: PLC0415
 
-    for param, fqn in zip(params, fqns):
-        placement = fn(param)
-        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.dim() if param.dim() else 0)):
-            continue
+    if placement is None:
+        return 0
+    if type(placement).__name__ == "ShardPlacementResult" or (isinstance(placement, Shard) and type(placement) is not Shard):
         raise NotImplementedError(
-            f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}': flashfsdp shards the "
-            f"flattened unit into W equal ranges (flat units), so only Shard(0) or None can be honoured; use "
-            f"torch.distributed.fsdp.fully_shard for per-parameter placements on other dimensions"
-        )
+            f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}': only Shard(dim) on the "
+            f"unit's mesh (or None) is supported; return Shard(dim) for it")
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}': it must return "
+            f"Shard(dim) or None (Shard(0)); FSDP shards every parameter, so leave a parameter replicated "
+            f"by passing it in ignored_params instead")
+    ndim = param.dim()
+    if not -ndim <= placement.dim < ndim:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' of shape "
+            f"{tuple(param.shape)}, but a {ndim}-D parameter has dims {-ndim}..{ndim - 1}; return a dim in that "
+            f"range")
+    return placement.dim % ndim

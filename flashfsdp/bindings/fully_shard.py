@@ -69,8 +69,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
             single rank (W = 1) when torch.distributed is not initialised.
         reshard_after_forward: True, False, an int k dividing W (ZeRO++ hpZ) or None (the
             default); see [Note: reshard_after_forward].
-        shard_placement_fn: FSDP2's per-parameter placement; only None or ``Shard(0)`` can be
-            honoured by flat units (see [Note: shard placements] in ``_init.py``).
+        shard_placement_fn: FSDP2's per-parameter placement: called once per parameter with the
+            full (unsharded) parameter, it returns ``Shard(k)`` (any dim of it, negative counted
+            from the end) or None (``Shard(0)``); the sharded parameter is then a DTensor placed
+            ``(Shard(k),)`` (HSDP ``(Replicate(), Shard(k))``) whose local tensor is this rank's
+            chunk along k (see [Note: shard placements] in ``_init.py``).
         mp_policy: ``param_dtype`` for forward/backward, ``reduce_dtype`` for the reduce-scatter
             (flashfsdp's or torch's ``MixedPrecisionPolicy``).
         offload_policy: None or ``OffloadPolicy()`` (no offloading), or ``CPUOffloadPolicy``
@@ -85,36 +88,37 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
 
     Raises:
         ValueError: a module already fully_shard'ed; an empty list; parameters on several devices; a
-            0-dim parameter;
-            a parameter already owned by another unit; a mesh of more than 2 dims, a 2-D mesh
+            0-dim parameter; a parameter already owned by another unit; a mesh of more than 2 dims, a 2-D mesh
             without dim names (or named the other way round), a mesh of another device type or
             without this rank; a ``Communicator`` not over the mesh's (shard) group; an unknown communicator; a
-            ``reshard_after_forward`` int that does not divide W.
+            ``reshard_after_forward`` int that does not divide W; a ``shard_placement_fn`` result that
+            is not a ``Shard`` or None, or a dim out of range for its parameter.
         TypeError: not an ``nn.Module`` or list of them; a bad parameter dtype, ``mp_policy``,
-            ``offload_policy``, ``shard_placement_fn`` or ``reshard_after_forward``.
+            ``offload_policy``, ``shard_placement_fn`` (not callable) or ``reshard_after_forward``.
         RuntimeError: W > 1 requested (``WORLD_SIZE`` set) but torch.distributed not initialised.
-        NotImplementedError: a ``shard_placement_fn`` placement other than ``Shard(0)``; a
-            parameter that already is a DTensor (tensor parallelism).
+        NotImplementedError: a parameter that already is a DTensor (tensor parallelism); a
+            ``shard_placement_fn`` result with a mesh of its own (``ShardPlacementResult``).
     """
     modules = _init.check_modules(module)
     mp_policy = _init.check_mp_policy(mp_policy)
     offload, pin_memory = _init.check_offload_policy(offload_policy)
     _init.check_communicator_kind(communicator)
     collected = _init.collect_params(modules, {id(p) for p in (ignored_params or ())})
-    _init.check_shard_placement_fn(shard_placement_fn, collected.params, collected.fqns)
+    shard_dims = _init.check_shard_placement_fn(shard_placement_fn, collected.params, collected.fqns)
     device = _init.unit_device(modules, collected.params, mesh)
     target = _init.target_device(device, mesh, offload)
     if offload and device.type != "meta":
         device = target  # the compute device; the shards go to the CPU
     groups = _init.mesh_groups(mesh, target)
     unit, resolved = _build_unit(modules, collected, groups, mesh, communicator, device, target,
-                                 reshard_after_forward, mp_policy, offload, pin_memory)
+                                 reshard_after_forward, mp_policy, offload, pin_memory, shard_dims)
     _install(modules, unit, collected, mp_policy, resolved, (groups.shard, communicator), target)
     return module
 
 
 def _build_unit(modules, collected, groups: _init.MeshGroups, mesh, communicator, device, target,
-                reshard_after_forward, mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool):
+                reshard_after_forward, mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool,
+                shard_dims: list[int] | None = None):
     """The unit's communicator(s) and its ShardedUnit (the shards are cut here); the resolved
     ``reshard_after_forward``."""
     if isinstance(communicator, Communicator):
@@ -134,6 +138,7 @@ def _build_unit(modules, collected, groups: _init.MeshGroups, mesh, communicator
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype, post_forward_comm=post_forward_comm,
         offload=offload, pin_memory=pin_memory, replicate_comm=replicate_comm,
         all_gather_dtype=mp_policy.all_gather_dtype, spec=_init.sharding_spec(mesh, comm, target),
+        shard_dims=shard_dims,
     )
     return unit, resolved
 

@@ -184,7 +184,8 @@ class FlatStates:
             if (local.data_ptr() != view.data_ptr()
                     or local.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()):
                 view.copy_(local.reshape(view.shape))
-        state[key] = tag_of(p).group.spec.wrap(view, p.shape)
+        tag = tag_of(p)
+        state[key] = tag.group.wrap_local(view, tag.index)
 
     def reserve_steps(self, runs: Sequence[Run], device_of, dtype: torch.dtype) -> None:
         """Make every shard's step-counter vector long enough for ``runs`` (before any

@@ -14,7 +14,7 @@ from torch.optim.sgd import sgd
 
 from flashfsdp._torch_private import use_grad_for_differentiable
 
-from flashfsdp.runtime.param_tags import group_of
+from flashfsdp.runtime.param_tags import group_of, tag_of
 
 from .base import FlatStepMixin, GroupPlan
 from .clip import ClipInStepMixin, check_max_grad_norm
@@ -97,8 +97,8 @@ class SGD(ClipInStepMixin, FlatStepMixin, torch.optim.SGD):
             if not on:  # a buffer this step started: into the flat buffer, the pieces' state its views
                 states.run_view(run, "momentum_buffer").copy_(buf)
                 for p in run.params:
-                    self.state[p]["momentum_buffer"] = group_of(p).spec.wrap(
-                        states.view(p, "momentum_buffer"), p.shape)
+                    self.state[p]["momentum_buffer"] = group_of(p).wrap_local(
+                        states.view(p, "momentum_buffer"), tag_of(p).index)
         plan.stale = True
 
     def _sgd(self, group: dict, params, grads, buffers, has_sparse: bool, fused, foreach) -> None:

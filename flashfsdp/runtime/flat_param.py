@@ -7,7 +7,8 @@ gives it to the unsharded parameter before each forward, and a group reduces if 
 parameters is trainable (a frozen one is left out of the reduce-scatter and gets no ``.grad``).
 Per rank it holds (``layout.py`` for the offsets):
 
-- ``sharded_flat``: S elements in the original dtype: this rank's dim-0 chunk of every parameter,
+- ``sharded_flat``: S elements in the original dtype: this rank's chunk of every parameter
+  (along dim 0, or along its ``Shard(k)`` dim: [Note: Shard(k) parameters] in ``layout.py``),
   padded as FSDP2 pads it, back to back — the master weights, and FSDP2's all-gather input.
 - ``sharded_params``: what ``module.parameters()`` yields outside forward/backward: per parameter
   an ``nn.Parameter`` holding a DTensor with FSDP2's placements and global shape whose local tensor
@@ -19,7 +20,8 @@ Per rank it holds (``layout.py`` for the offsets):
 - ``gathered``: W·S elements in ``param_dtype``, rank-major: the all-gather output.
 - ``unsharded_flat``: the unsharded parameters end to end; the module's parameters during
   forward/backward are views ``unsharded_params`` into it, created once. Copy-out (one
-  ``unflatten`` launch) moves every chunk from ``gathered`` into place; where the layout is
+  ``unflatten`` launch) moves every chunk from ``gathered`` into place (the chunks of ``Shard(k)``
+  parameters, k != 0, with torch ops: ``dim_chunks.py``); where the layout is
   zero-copy (one rank, or one parameter filling the shard) ``gathered`` *is* ``unsharded_flat``
   and nothing is copied. Both buffers' storage is alive only while needed: ``gathered`` until
   copy-out, ``unsharded_flat`` until reshard, which frees only the storage; unshard
@@ -36,6 +38,7 @@ import torch.nn as nn
 from flashfsdp._torch_private import set_dtensor_local
 from flashfsdp.kernels import flatten, quantize_int8, unflatten
 
+from .dim_chunks import chunks_to_full, full_to_chunks
 from .grad_shard import GradShard
 from .layout import ShardLayout
 from .param_tags import set_tag
@@ -76,10 +79,11 @@ class FlatParam(GradShard):
             is a host-to-device copy into the gathered buffer, and a reduced gradient shard is
             copied to the host before it is accumulated there; the optimizer steps on the CPU.
         pin_memory: pin the CPU shard and gradient (asynchronous copies; only with CUDA).
+        shard_dims: each parameter's shard dim (FSDP2's ``Shard(k)``, k >= 0); None: all 0.
 
     Raises:
-        ValueError: if the parameters mix dtypes or requires_grad (group them first), or one is
-            0-dim (FSDP2 shards dim 0).
+        ValueError: if the parameters mix dtypes or requires_grad (group them first), one is
+            0-dim, or a shard dim is out of range.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class FlatParam(GradShard):
         spec: ShardingSpec | None = None,
         offload: bool = False,
         pin_memory: bool = False,
+        shard_dims: Sequence[int] | None = None,
     ):
         if len({p.dtype for p in params}) != 1 or len({p.requires_grad for p in params}) != 1:
             raise ValueError("FlatParam: parameters of one group must share dtype and requires_grad")
@@ -110,7 +115,7 @@ class FlatParam(GradShard):
         self.world_size = world_size
         self.spec = spec or ShardingSpec(None)
         self.unit = None  # the ShardedUnit that owns the group (set by it)
-        self.layout = ShardLayout.build(self.shapes, world_size, align)
+        self.layout = ShardLayout.build(self.shapes, world_size, align, shard_dims)
         # this rank's chunk of each parameter: (offset in the shard, elements, shape), read per step
         self._chunks = [(self.layout.offsets[i], self.layout.local_numel(rank, i), self.layout.local_shape(rank, i))
                         for i in range(len(self.shapes))]
@@ -147,10 +152,11 @@ class FlatParam(GradShard):
         return [flat[o : o + n].view(shape) for o, n, shape in self._chunks]
 
     def _chunk_of(self, full: torch.Tensor, i: int) -> torch.Tensor:
-        """This rank's rows of a full-shape tensor of parameter ``i`` (FSDP2's ``torch.chunk``)."""
-        k, rows = self.layout.chunk_rows(i), self.layout.local_rows(self.rank, i)
-        start = min(self.rank * k, full.shape[0])
-        return full.narrow(0, start, rows)
+        """This rank's chunk of a full-shape tensor of parameter ``i`` along its shard dim (FSDP2's
+        ``torch.chunk``): a view, not contiguous along a dim other than 0."""
+        k, rows, dim = self.layout.chunk_rows(i), self.layout.local_rows(self.rank, i), self.layout.dims[i]
+        start = min(self.rank * k, full.shape[dim])
+        return full.narrow(dim, start, rows)
 
     def _fill_shard(self, flat: torch.Tensor, chunks: Sequence[torch.Tensor | None]) -> None:
         """Write ``chunks`` (one per parameter, local shape, any device; None: zeros) into ``flat``,
@@ -161,9 +167,15 @@ class FlatParam(GradShard):
             flatten(sources, list(self.layout.offsets), flat, numels=numels)
 
     def _make_sharded_param(self, i: int, requires_grad: bool) -> nn.Parameter:
-        param = self.spec.parameter(self.local_view(self.sharded_flat, i), self.shapes[i], requires_grad)
+        param = self.spec.parameter(self.local_view(self.sharded_flat, i), self.shapes[i], requires_grad,
+                                    self.layout.dims[i])
         self._tag(param, i)
         return param
+
+    def wrap_local(self, local: torch.Tensor, i: int) -> torch.Tensor:
+        """``local`` (a tensor of parameter ``i``'s local shape, e.g. a view of an optimizer state
+        laid out like the shard) as parameter ``i``'s DTensor: its global shape and placements."""
+        return self.spec.wrap(local, self.shapes[i], self.layout.dims[i])
 
     def _tag(self, param: torch.Tensor, i: int) -> None:
         set_tag(param, self, i)
@@ -217,11 +229,12 @@ class FlatParam(GradShard):
         want = self.layout.local_shape(self.rank, i)
         if is_dtensor(tensor):
             local = local_of(tensor)
-            if tuple(local.shape) == want and tuple(tensor.placements) == self.spec.placements:
+            placements = self.spec.placements_for(self.layout.dims[i])
+            if tuple(local.shape) == want and tuple(tensor.placements) == placements:
                 return local
             raise ValueError(
                 f"parameter '{self.fqns[i]}' was replaced by a DTensor with placements {tensor.placements} and local "
-                f"shape {tuple(local.shape)}, but its unit shards it as {self.spec.placements} with local shape "
+                f"shape {tuple(local.shape)}, but its unit shards it as {placements} with local shape "
                 f"{want}: assign a full-shape tensor or a DTensor of the unit's placements")
         if tuple(tensor.shape) == self.shapes[i]:
             return self._chunk_of(tensor.detach(), i)
@@ -275,7 +288,7 @@ class FlatParam(GradShard):
                 p.grad = None
                 p.data = view
             else:
-                p = self.spec.parameter(view, self.shapes[i], p.requires_grad)
+                p = self.spec.parameter(view, self.shapes[i], p.requires_grad, self.layout.dims[i])
             self._tag(p, i)
             params.append(p)
         self.sharded_params = params
@@ -346,17 +359,26 @@ class FlatParam(GradShard):
 
     def copy_out(self) -> None:
         """Move every chunk from the gathered buffer into the unsharded parameters (one
-        ``unflatten`` launch), then free the gathered buffer; nothing to do when zero-copy."""
+        ``unflatten`` launch), then free the gathered buffer; nothing to do when zero-copy.
+
+        The kernel's segments are runs of elements, which a chunk along a dim k != 0 is not
+        (``Shard(k)`` parameters, ``layout.strided``): those parameters are reassembled along k
+        with torch ops instead (``dim_chunks.chunks_to_full``: at most two strided copies each,
+        on the current stream), after the launch for the others."""
         if self.gathered is self.unsharded_flat:
             return
         with torch.no_grad():
-            unflatten(self.gathered, self._copy_out_sources, self._copy_out_targets)
+            if self._copy_out_targets:
+                unflatten(self.gathered, self._copy_out_sources, self._copy_out_targets)
+            for i in self.layout.strided:
+                chunks_to_full(self.gathered, self.layout, i, self.unsharded_params[i].data)
         self.free_gathered()
 
     def gathered_to_unsharded(self, gathered: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy-out of any W·S-element buffer in the gathered layout (e.g. master weights
         all-gathered in their own dtype): a buffer in the unsharded layout (``out``, or new, of
-        ``gathered``'s dtype and device; one ``unflatten`` launch)."""
+        ``gathered``'s dtype and device; one ``unflatten`` launch, and torch ops for the
+        ``Shard(k)`` parameters, k != 0, as in :meth:`copy_out`)."""
         lay = self.layout
         if out is None:
             out = torch.empty(lay.unsharded_size, dtype=gathered.dtype, device=gathered.device)
@@ -365,7 +387,11 @@ class FlatParam(GradShard):
             return out
         targets = [out[lay.unsharded_offsets[s.param_index] + s.param_offset:][: s.numel] for s in lay.segments]
         with torch.no_grad():
-            unflatten(gathered, [s.gathered_offset for s in lay.segments], targets)
+            if targets:
+                unflatten(gathered, [s.gathered_offset for s in lay.segments], targets)
+            views = self.unsharded_views(out) if lay.strided else []
+            for i in lay.strided:
+                chunks_to_full(gathered, lay, i, views[i])
         return out
 
     def unsharded_to_local(self, unsharded: torch.Tensor, shard: torch.Tensor, positions=None) -> None:
@@ -379,7 +405,8 @@ class FlatParam(GradShard):
     def secondary_copy(self, parts: int, index: int) -> torch.Tensor:
         """A copy of slice ``index`` of ``parts`` of the gathered layout, built from the unsharded
         parameters (the gathered buffer is freed by then): what a rank keeps after forward when
-        it reshards to a group of ``parts`` ranks (``reshard_after_forward=<int>``)."""
+        it reshards to a group of ``parts`` ranks (``reshard_after_forward=<int>``); the chunks of
+        ``Shard(k)`` parameters, k != 0, of the slice's ranks are cut along k with torch ops."""
         n = self.layout.gathered_size // parts
         if self.gathered is self.unsharded_flat:
             return self.unsharded_flat[index * n : (index + 1) * n].clone()
@@ -389,6 +416,10 @@ class FlatParam(GradShard):
                   if lo <= s.gathered_offset < lo + n]
         with torch.no_grad():
             flatten([t for _, t in picked], [s.gathered_offset - lo for s, _ in picked], out)
+            per = self.world_size // parts
+            for i in self.layout.strided:
+                full_to_chunks(self.unsharded_params[i].data, self.layout, i, out,
+                               ranks=range(index * per, (index + 1) * per))
         return out
 
     def copy_in(self) -> None:

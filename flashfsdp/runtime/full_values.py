@@ -56,5 +56,5 @@ def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor
         return value.redistribute(param.device_mesh, param.placements)
     tag = tag_of(param)
     group = tag.group
-    local = group._chunk_of(value.detach(), tag.index).to(device=param.device)
-    return group.spec.wrap(local, param.shape)
+    local = group._chunk_of(value.detach(), tag.index).to(device=param.device).contiguous()
+    return group.wrap_local(local, tag.index)

@@ -73,7 +73,7 @@ class GradShard:
         parameters' placements (plain tensors without a mesh), built once per buffer."""
         grad = self.sharded_grad_buffer()
         if self._grad_tensors is None or self._grad_tensors[0] is not grad:
-            self._grad_tensors = (grad, [self.spec.wrap(v, shape) for v, shape in zip(self.local_views(grad), self.shapes)])
+            self._grad_tensors = (grad, [self.wrap_local(v, i) for i, v in enumerate(self.local_views(grad))])
         return self._grad_tensors[1]
 
     def _grad_chunk(self, grad: torch.Tensor, i: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ Per trainable flat group (DESIGN.md §2, step 5): one ``flatten`` launch on the 
 (as FSDP2's ``foreach_reduce``: the gradients are freed right after it) packs every unsharded
 gradient into the rank-major reduce-scatter input in ``reduce_dtype``: rank r's segment holds
 chunk r of every gradient at the shard's offsets (cast, pre-divide, zero padding, zeros where no
-gradient), then one flag per parameter (see [Note: gradients of unused parameters] in
+gradient; the chunks of ``Shard(k)`` parameters, k != 0, are copied along k with torch ops after
+the launch, ``dim_chunks.py``), then one flag per parameter (see [Note: gradients of unused parameters] in
 ``grad_shard.py``). Frozen parameters are left out: the segment is then laid out by the trainable
 parameters' sub-layout (``FlatParam.reduce_layout``). The reduce-scatter into one segment runs on
 the reduce-scatter stream. The :class:`PendingReduce` it returns finishes later: one
@@ -39,6 +40,7 @@ from flashfsdp.kernels import accumulate_grad_shard, flatten, unflatten
 
 from . import loss_scale, trace
 from .communicator import Work
+from .dim_chunks import full_to_chunks
 from .flat_param import FlatParam
 from .layout import ShardLayout
 
@@ -79,6 +81,8 @@ class ReduceLayout:
             S elements, then one flag per parameter, padded to the alignment.
         entries: what :func:`pack` moves, per non-empty chunk: ``(group parameter index, offset in
             the flattened gradient, offset in the packed buffer, elements)``.
+        strided: ``(group parameter index, index in layout)`` of each ``Shard(k)`` parameter
+            (k != 0), whose chunks :func:`pack` copies along k.
     """
 
     def __init__(self, layout: ShardLayout, keep: tuple[int, ...]):
@@ -87,6 +91,7 @@ class ReduceLayout:
         self.segment = layout.shard_size + -(-len(keep) // align) * align
         self.entries = tuple((keep[s.param_index], s.param_offset, s.rank * self.segment + layout.offsets[s.param_index],
                               s.numel) for s in layout.segments)
+        self.strided = tuple((keep[i], i) for i in layout.strided)
         self.flag_offsets = tuple(r * self.segment + layout.shard_size for r in range(layout.world_size))
         self.dense = keep == tuple(range(len(layout.shapes)))
 
@@ -267,8 +272,11 @@ def pack(group: FlatParam, grads: list, local: list[bool], reduce_dtype: torch.d
          rlayout: ReduceLayout, device: torch.device) -> torch.Tensor:
     """The reduce-scatter input (W segments of ``rlayout.segment`` elements, ``reduce_dtype``):
     chunk r of each reduced gradient, scaled, at rank r's segment's shard offsets, then the
-    flags ``local`` of the reduced parameters in every segment; one ``flatten`` launch. With a
-    no-sync accumulation buffer, these gradients are added into it first and it is the source."""
+    flags ``local`` of the reduced parameters in every segment; one ``flatten`` launch. The
+    chunks of ``Shard(k)`` gradients, k != 0, are not runs the launch can move: after it (which
+    zeroes their ranges) they are cut along k into their segments with torch ops
+    (``dim_chunks.full_to_chunks``, the cast then the power-of-two ``scale``). With a no-sync
+    accumulation buffer, these gradients are added into it first and it is the source."""
     accum = group.unsharded_accum
     if accum is not None:
         sources = group.unsharded_views(accum)
@@ -286,6 +294,9 @@ def pack(group: FlatParam, grads: list, local: list[bool], reduce_dtype: torch.d
     tensors += [flags] * len(rlayout.flag_offsets)
     packed = torch.empty(rlayout.layout.world_size * rlayout.segment, dtype=reduce_dtype, device=device)
     flatten(tensors, offsets, packed, scale=scale, numels=numels)
+    for i, sub in rlayout.strided:
+        if grads[i] is not None:
+            full_to_chunks(grads[i].contiguous(), rlayout.layout, sub, packed, stride=rlayout.segment, scale=scale)
     return packed
 
 

@@ -6,6 +6,9 @@ placements (``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on an HSD
 (global) shape and contiguous stride, and as its local tensor this rank's dim-0 chunk — a view into
 the group's flat shard, so that an optimizer stepping the DTensor writes the shard the all-gather
 reads. Gradients are DTensors of the same placements over views of the flat gradient shard.
+A parameter that FSDP2's ``shard_placement_fn`` shards along another dim k shows ``Shard(k)``
+instead of ``Shard(0)`` (:meth:`ShardingSpec.placements_for`), its local tensor this rank's chunk
+along k (``layout.py``, [Note: Shard(k) parameters]).
 
 Without ``torch.distributed`` initialised (one process, W = 1) there is no mesh to put a DTensor
 on; the parameters are then plain full-shape tensors (the shard *is* the whole parameter).
@@ -60,7 +63,7 @@ class ShardingSpec:
     def __init__(self, mesh, placements: Sequence = ()):
         self.mesh = mesh
         self.placements = tuple(placements)
-        self._specs: dict[tuple, object] = {}  # (shape, dtype) -> DTensorSpec, built once
+        self._specs: dict[tuple, object] = {}  # (shape, dtype, dim) -> DTensorSpec, built once
         if mesh is not None and len(self.placements) != mesh.ndim:
             raise ValueError(f"ShardingSpec: {len(self.placements)} placements for a {mesh.ndim}-D mesh")
 
@@ -69,17 +72,27 @@ class ShardingSpec:
         """Whether the sharded parameters are DTensors (False: plain tensors, no mesh)."""
         return self.mesh is not None
 
-    def wrap(self, local: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        """``local`` (this rank's chunk, any dtype) as a DTensor of global ``shape``; without a
-        mesh, ``local`` itself (which then has the full shape). Not differentiable: the result
-        shares ``local``'s memory and has ``requires_grad=False``."""
+    def placements_for(self, dim: int = 0) -> tuple:
+        """The placements of a parameter sharded along ``dim`` (>= 0): :attr:`placements` with the
+        last (the shard mesh dim's) ``Shard(0)`` replaced by ``Shard(dim)``; () without a mesh."""
+        if self.mesh is None or dim == 0:
+            return self.placements
+        from torch.distributed.tensor import Shard  # noqa: PLC0415
+
+        return self.placements[:-1] + (Shard(dim),)
+
+    def wrap(self, local: torch.Tensor, shape: Sequence[int], dim: int = 0) -> torch.Tensor:
+        """``local`` (this rank's chunk along ``dim``, any dtype) as a DTensor of global ``shape``
+        and :meth:`placements_for` ``dim``; without a mesh, ``local`` itself (which then has the
+        full shape). Not differentiable: the result shares ``local``'s memory and has
+        ``requires_grad=False``."""
         if self.mesh is None:
             return local
-        key = (tuple(shape), local.dtype)
+        key = (tuple(shape), local.dtype, dim)
         spec = self._specs.get(key)
-        if spec is None:  # (a DTensorSpec is immutable and costly to build: one per shape and dtype)
+        if spec is None:  # (a DTensorSpec is immutable and costly to build: one per shape, dtype, dim)
             shape = torch.Size(shape)
-            spec = DTensorSpec(self.mesh, self.placements,
+            spec = DTensorSpec(self.mesh, self.placements_for(dim),
                                tensor_meta=TensorMeta(shape, contiguous_strides(shape), local.dtype))
             self._specs[key] = spec
         meta = spec.tensor_meta
@@ -88,13 +101,13 @@ class ShardingSpec:
         out._spec, out._local_tensor = spec, local  # see [Note: DTensor wrapper storage offset]
         return out
 
-    def parameter(self, local: torch.Tensor, shape: Sequence[int], requires_grad: bool) -> nn.Parameter:
-        """An ``nn.Parameter`` over :meth:`wrap` of ``local``. A DTensor is made a parameter as
+    def parameter(self, local: torch.Tensor, shape: Sequence[int], requires_grad: bool, dim: int = 0) -> nn.Parameter:
+        """An ``nn.Parameter`` over :meth:`wrap` of ``local`` (sharded along ``dim``). A DTensor is made a parameter as
         ``nn.Parameter`` makes a tensor subclass one, but without its ``detach()``, which would
         rebuild the wrapper through torch's constructor (see [Note: DTensor wrapper storage offset])."""
         if self.mesh is None:
             return nn.Parameter(local, requires_grad=requires_grad)
-        param = self.wrap(local, shape)
+        param = self.wrap(local, shape, dim)
         param.requires_grad_(requires_grad)
         param._is_param = True  # what nn.Parameter.__new__ marks a tensor subclass with
         return param

@@ -108,6 +108,8 @@ class ShardedUnit:
             and the gradients are unchanged. ValueError if the communicator or device cannot.
         spec: how the unit's chunks are shown (``ShardingSpec``: DTensors on its mesh with FSDP2's
             placements, or plain tensors without a mesh; default plain).
+        shard_dims: each parameter's shard dim (FSDP2's ``shard_placement_fn``'s ``Shard(k)``,
+            k >= 0; see [Note: Shard(k) parameters] in ``layout.py``); None: dim 0 for all.
 
     A unit with no parameters is allowed: its unshard and reduction do nothing.
     """
@@ -127,6 +129,7 @@ class ShardedUnit:
         replicate_comm: Communicator | None = None,
         all_gather_dtype: torch.dtype | None = None,
         spec: ShardingSpec | None = None,
+        shard_dims: Sequence[int] | None = None,
     ):
         self.name = name
         self.spec = spec or ShardingSpec(None)
@@ -145,23 +148,7 @@ class ShardedUnit:
         self.all_gather_dtype = check_all_gather_dtype(all_gather_dtype, communicator, device, name)
         # ids of the original parameters this unit took over (to detect sharing with other units)
         self.original_param_ids = {id(p) for p in params}
-        keys: dict[tuple[torch.dtype, bool], list[int]] = {}
-        for i, p in enumerate(params):
-            keys.setdefault((p.dtype, p.requires_grad), []).append(i)
-        self.groups: list[FlatParam] = []
-        # index of each parameter -> (group, position in group)
-        self.param_slots: list[tuple[FlatParam, int]] = [None] * len(params)  # type: ignore[list-item]
-        for (dtype, _), idx in keys.items():
-            pdt = param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
-            align = align_elements([dtype.itemsize, pdt.itemsize, (reduce_dtype or pdt).itemsize])
-            group = FlatParam(
-                [params[i] for i in idx], [fqns[i] for i in idx], rank=communicator.rank,
-                world_size=communicator.world_size, param_dtype=pdt, device=device, align=align,
-                spec=self.spec, offload=offload, pin_memory=pin_memory,
-            )
-            self.groups.append(group)
-            for pos, i in enumerate(idx):
-                self.param_slots[i] = (group, pos)
+        self._make_groups(params, fqns, offload, pin_memory, shard_dims)
         self.state = ShardState.SHARDED
         self._all_gather: AllGatherResult | None = None
         self.all_reduce_hook = None  # FSDPModule.set_all_reduce_hook: called on each reduce-scatter output
@@ -171,6 +158,28 @@ class ShardedUnit:
         # FSDPModule.set_gradient_divide_factor: the gradients are the sum over ranks divided by it
         self.gradient_divide_factor: float | None = None
         self._tag_pieces()
+
+    def _make_groups(self, params: Sequence[torch.Tensor], fqns: Sequence[str], offload: bool, pin_memory: bool,
+                     shard_dims: Sequence[int] | None) -> None:
+        """One FlatParam per (dtype, requires_grad) of ``params``: ``groups``, and ``param_slots``
+        (index of each parameter -> (group, position in group))."""
+        keys: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for i, p in enumerate(params):
+            keys.setdefault((p.dtype, p.requires_grad), []).append(i)
+        self.groups: list[FlatParam] = []
+        self.param_slots: list[tuple[FlatParam, int]] = [None] * len(params)  # type: ignore[list-item]
+        for (dtype, _), idx in keys.items():
+            pdt = self.param_dtype if (self.param_dtype is not None and dtype.is_floating_point) else dtype
+            align = align_elements([dtype.itemsize, pdt.itemsize, (self.reduce_dtype or pdt).itemsize])
+            group = FlatParam(
+                [params[i] for i in idx], [fqns[i] for i in idx], rank=self.comm.rank,
+                world_size=self.comm.world_size, param_dtype=pdt, device=self.device, align=align,
+                spec=self.spec, offload=offload, pin_memory=pin_memory,
+                shard_dims=None if shard_dims is None else [shard_dims[i] for i in idx],
+            )
+            self.groups.append(group)
+            for pos, i in enumerate(idx):
+                self.param_slots[i] = (group, pos)
 
     @property
     def data_parallel_size(self) -> int:

@@ -13,7 +13,8 @@ What ``fully_shard`` does at initialisation, checked through what a user can obs
   errors raised for misuse;
 - meta-device initialisation (``to_empty`` + ``reset_parameters`` / a custom init, parity with a
   model initialised normally from the same seed), the ``mesh`` argument (1-D meshes, a mesh from
-  ``DeviceMesh.from_group`` over a sub-group at W = 4), ``shard_placement_fn`` (dim-0 variants),
+  ``DeviceMesh.from_group`` over a sub-group at W = 4), ``shard_placement_fn`` (dim-0 variants; other dims:
+  ``test_shard_placement.py``),
   the ``FSDP<Class>`` class swap.
 
 Upstream runs on CUDA (``device_type``); here everything is on CPU over gloo, and the "move to the
@@ -949,8 +950,7 @@ def init_1d_transformer_shard_dim0(rank, world_size, impl):
     here n_layers=2, W=2), returning ``Shard(0)`` for every parameter, then returning ``None`` (the
     default placement): the sharded parameters gather back to the reference's values, and a
     forward/backward matches the replicated reference. Upstream's largest-dim / ``Shard(-1)`` /
-    ``Shard(1)`` placements are not ported: flashfsdp shards dim 0 only (another placement raises
-    NotImplementedError)."""
+    ``Shard(1)`` placements are in ``test_shard_placement.py``."""
     losses = []
     for placement_fn in (lambda param: Shard(0), lambda param: None):
         torch.manual_seed(42)

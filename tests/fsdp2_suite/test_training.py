@@ -1116,8 +1116,7 @@ def train_parity_shard_placement_fn_shard_dim0(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardShardPlacementFnMultiProcess::test_train_parity_shard_placement_fn_shard_largest_dim
     — its dim-0 variant: ``shard_placement_fn`` returning ``Shard(0)`` for every parameter (a unit
     per block and the root); full parameters equal the reference's at init and after 5 AdamW
-    steps, losses equal each step. (The largest-dim placement is not ported: flashfsdp shards dim 0
-    only, another placement raises NotImplementedError.)"""
+    steps, losses equal each step. (The largest-dim placement: ``test_shard_placement.py``.)"""
     from torch.distributed.tensor import Shard  # noqa: PLC0415
 
     model_args = ModelArgs(n_layers=3, dropout_p=0.0)
@@ -1158,8 +1157,8 @@ def train_parity_shard_placement_fn_shard_dim0(rank, world_size, impl):
 @cases.case(world_size=4)
 def shard_placement_fn_contiguous_params_grads_dim0(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardShardPlacementFnMultiThread::test_shard_placement_fn_contiguous_params_grads
-    — its dim-0 variant (the default placement; upstream's ``Shard(1)`` for matrices is not ported:
-    flashfsdp shards dim 0 only): sharded parameters and their local shards are contiguous, the
+    — its dim-0 variant (the default placement; upstream's ``Shard(1)`` for matrices is in
+    ``test_shard_placement.py``): sharded parameters and their local shards are contiguous, the
     unsharded parameters seen in each module's forward are contiguous, and so are the gradients."""
     dim = 4
     torch.manual_seed(42)

@@ -16,6 +16,7 @@ import torch.nn as nn
 from flashfsdp.kernels import flatten, unflatten
 from flashfsdp.runtime.agreement import agree, agree_from_rank0, agree_in_group, global_rank
 from flashfsdp.runtime.comm_factory import communicator_in_use, default_group
+from flashfsdp.runtime.dim_chunks import chunks_to_full, full_to_chunks
 from flashfsdp.runtime.flat_param import FlatParam, shards_written
 from flashfsdp.runtime.full_values import gather_flat
 from flashfsdp.runtime.init_window import close_init_windows
@@ -113,8 +114,11 @@ def cut_params(group: FlatParam, full: torch.Tensor, positions: list[int], targe
     """
     outs = {pos: torch.empty(group.shapes[pos], dtype=full.dtype, device=full.device) for pos in positions}
     segments = [s for s in group.layout.segments if s.param_index in outs]
-    unflatten(full, [s.gathered_offset for s in segments],
-              [outs[s.param_index].view(-1)[s.param_offset : s.param_offset + s.numel] for s in segments])
+    if segments:
+        unflatten(full, [s.gathered_offset for s in segments],
+                  [outs[s.param_index].view(-1)[s.param_offset : s.param_offset + s.numel] for s in segments])
+    for pos in (i for i in group.layout.strided if i in outs):  # Shard(k), k != 0: along k, torch ops
+        chunks_to_full(full, group.layout, pos, outs[pos])
     return {pos: out if out.device == target else out.to(target) for pos, out in outs.items()}
 
 
@@ -343,6 +347,9 @@ def _pack(group: FlatParam, positions: dict[int, list[str]], state_dict, flat: t
     segments = group.layout.segments
     flatten([None if sources[s.param_index] is None else sources[s.param_index][s.param_offset :][: s.numel]
              for s in segments], [s.gathered_offset for s in segments], flat, numels=[s.numel for s in segments])
+    for pos in group.layout.strided:  # Shard(k), k != 0: along k, torch ops
+        if sources[pos] is not None:
+            full_to_chunks(sources[pos], group.layout, pos, flat)
 
 
 def _world(device: torch.device):

@@ -97,8 +97,8 @@ def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, pref
         if isinstance(value, nn.Parameter):
             state_dict[key] = param
         else:
-            group, _ = state.unit.param_slots[i]
-            state_dict[key] = group.spec.wrap(local_of(param).detach(), param.shape)
+            group, pos = state.unit.param_slots[i]
+            state_dict[key] = group.wrap_local(local_of(param).detach(), pos)
 
 
 def _local_key(tensor: torch.Tensor) -> tuple:
