@@ -56,6 +56,47 @@ def check_pair(local: torch.Tensor, fqn: str) -> bool:
     return pre
 
 
+def check_kept_subclasses(params: Sequence[torch.Tensor], fqns: Sequence[str], offload: bool,
+                          dims: Sequence[int]) -> frozenset[int]:
+    """The positions of ``params`` (a flat group's full parameters) whose class defines FSDP2's
+    all-gather extensions, checked where the group is made (``fully_shard``).
+
+    Raises:
+        ValueError: a class with one of the two hooks only; such a parameter with CPU offload, or
+            sharded along a dim other than 0 (``dims``: each parameter's shard dim), naming it.
+    """
+    found = []
+    for i, p in enumerate(params):
+        if type(p) in (nn.Parameter, torch.Tensor) or not check_pair(p, fqns[i]):
+            continue
+        if offload:
+            raise ValueError(
+                f"parameter '{fqns[i]}' ({type(p).__name__}) defines fsdp_pre_all_gather / fsdp_post_all_gather, which "
+                f"is not supported with CPU offload (CPUOffloadPolicy): shard it without offload_policy")
+        if dims[i] != 0:
+            raise ValueError(
+                f"parameter '{fqns[i]}' ({type(p).__name__}) defines fsdp_pre_all_gather / fsdp_post_all_gather and "
+                f"is sharded along dim {dims[i]} (shard_placement_fn): extensions are supported on Shard(0) only")
+        found.append(i)
+    return frozenset(found)
+
+
+def refuse_subclass_params(groups, where: str, instead: str) -> None:
+    """Raise if a parameter of ``groups`` (flat groups) keeps a tensor subclass for the all-gather
+    extensions: ``where`` reads the flat shard, whose slot for such a parameter is zero.
+
+    Raises:
+        NotImplementedError: naming ``where``, the first such parameter and ``instead`` (what to use).
+    """
+    for group in groups:
+        for pos in sorted(getattr(group, "subclass_positions", ())):
+            local = getattr(group.sharded_params[pos], "_local_tensor", group.sharded_params[pos])
+            raise NotImplementedError(
+                f"{where} works on the unit's flat shard; parameter '{group.fqns[pos]}' is a tensor subclass "
+                f"({type(local).__name__}) with fsdp_pre_all_gather / fsdp_post_all_gather, kept outside that shard: "
+                f"{instead}")
+
+
 def subclass_local(param: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s chunk of a tensor-subclass parameter along dim 0 as FSDP2 makes it: a
     zero-padded ``new_zeros`` of the padded chunk size (the same subclass), the rows copied in,

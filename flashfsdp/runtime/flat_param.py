@@ -39,7 +39,7 @@ from flashfsdp._torch_private import set_dtensor_local
 from flashfsdp.kernels import flatten, quantize_int8, unflatten
 
 from .dim_chunks import chunks_to_full, full_to_chunks
-from .extensions import defines_extension, subclass_local
+from .extensions import check_kept_subclasses, subclass_local
 from .grad_shard import GradShard
 from .layout import ShardLayout
 from .param_tags import set_tag
@@ -84,7 +84,9 @@ class FlatParam(GradShard):
 
     Raises:
         ValueError: if the parameters mix dtypes or requires_grad (group them first), one is
-            0-dim, or a shard dim is out of range.
+            0-dim, or a shard dim is out of range; a tensor subclass with FSDP2's all-gather
+            extensions that defines one hook only, or with ``offload`` or a shard dim other than 0
+            (``extensions.check_kept_subclasses``).
     """
 
     def __init__(
@@ -124,8 +126,7 @@ class FlatParam(GradShard):
         # device: they get values after to_empty, see rehome).
         # A parameter whose class defines FSDP2's all-gather extensions keeps its subclass as its
         # local tensor (``extensions.py``); its slot in the flat shard is left zero.
-        self.subclass_positions = frozenset(i for i, p in enumerate(params) if type(p) is not nn.Parameter
-                                            and type(p) is not torch.Tensor and defines_extension(type(p)))
+        self.subclass_positions = check_kept_subclasses(params, self.fqns, offload, self.layout.dims)
         self.subclass_locals: dict[int, torch.Tensor] = {}
         self.sharded_flat = self._new_shard(self.dtype)
         if self.shard_device.type != "meta":
