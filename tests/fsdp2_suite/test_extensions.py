@@ -336,4 +336,93 @@ def all_gather_extension_outer_size_stride_subclass(rank, world_size, impl):
     return {"loss": loss.detach(), "grads": grads, "locals": locals_}
 
 
+@cases.case(world_size=4)
+def all_gather_extension_hsdp_mesh(rank, world_size, impl):
+    """Upstream: test_fully_shard_extensions.py::TestFullyShardAllGatherExtensionsMultiThread::test_all_gather_extension_hsdp_mesh
+    at W = 4 on gloo: three MLP(8, bias=False) with ``TwoTensor`` weights (no hooks on the class),
+    each a unit and the root on a 2 x 2 ("dp_replicate", "dp_shard") mesh; hooks patched on the
+    weights' local tensors after fully_shard (all-gather the local tensor as it is; the output is
+    the unsharded parameter). ``fsdp_pre_all_gather`` gets the 1-D shard mesh of 2 ranks; the
+    forward's output equals the unsharded model's."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    meshes = []
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+    def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+        meshes.append((mesh.ndim, mesh.size()))
+        return (self,), None
+
+    @torch.no_grad()
+    def post(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (tensor,) = all_gather_outputs
+        if out is not None:
+            return None
+        return tensor, (tensor,)
+
+    torch.manual_seed(42)
+    model = _two_tensor_mlps()
+    ref = copy.deepcopy(model)
+    for mlp in model:
+        impl.fully_shard(mlp, mesh=mesh)
+    impl.fully_shard(model, mesh=mesh)
+    weights = [(n, p) for n, p in model.named_parameters() if "weight" in n]
+    assert weights
+    for _, param in weights:
+        local = param._local_tensor
+        local.fsdp_pre_all_gather = pre.__get__(local)
+        local.fsdp_post_all_gather = post.__get__(local)
+    torch.manual_seed(42)
+    inp = torch.randn((2, 8))
+    out = model(inp)
+    assert meshes and all(m == (1, world_size // 2) for m in meshes), meshes
+    want = ref(inp)
+    torch.testing.assert_close(torch.Tensor(out.a) if hasattr(out, "a") else out,
+                               torch.Tensor(want.a) if hasattr(want, "a") else want, **FP32)
+    return {"meshes": len(meshes), "out": torch.Tensor(out.a) if hasattr(out, "a") else out.detach()}
+
+
+@cases.case(world_size=4)
+def all_gather_extensions_train_parity_hsdp(rank, world_size, impl):
+    """Beyond upstream: the train-parity case on the 2 x 2 HSDP mesh, ``TwoTensor`` weights with
+    FSDP2's hooks on the class (5-argument ``fsdp_pre_all_gather``), 2 Adam steps: losses and
+    gradient shards equal the replicated reference's (gradients averaged over the 4 ranks), and
+    ``full_tensor()`` of each weight afterwards equals the reference's (its ``a``, as upstream's
+    parity checks; both inner tensors compared with torch's)."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    with _patched_two_tensor(_pre_v2):
+        torch.manual_seed(42)
+        model = _two_tensor_mlps()
+        ref = copy.deepcopy(model)
+        ref_optim = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=True)
+        for mlp in model:
+            impl.fully_shard(mlp, mesh=mesh)
+        impl.fully_shard(model, mesh=mesh)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+        impl.record_types("locals", [p.to_local() for p in model.parameters()])
+        torch.manual_seed(42 + rank + 1)
+        inp = torch.randn((2, 8))
+        losses = []
+        for _ in range(2):
+            ref_loss = ref(inp).sum()
+            ref_loss.backward()
+            average_grads(ref)
+            loss = model(inp).sum()
+            loss.backward()
+            torch.testing.assert_close(loss, ref_loss)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                want = impl.shard_of(torch.Tensor(q.grad.a if hasattr(q.grad, "a") else q.grad), p)
+                torch.testing.assert_close(p.grad.to_local(), want, **FP32)
+            losses.append(loss.detach())
+            for o in (ref_optim, optim):
+                o.step()
+                o.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            full = p.full_tensor()
+            torch.testing.assert_close(torch.Tensor(full.a), torch.Tensor(q.detach().a), **FP32)
+    return {"losses": losses, "locals": _local_parts(model)}
+
+
 test_case = cases.pytest_tests()
