@@ -80,7 +80,7 @@ def subclass_full_values(group, positions: Iterable[int], target: torch.device) 
     for pos in sorted(set(positions) & set(getattr(group, "subclass_positions", ()))):
         param = group.sharded_params[pos]
         try:
-            full = param.full_tensor()
+            full = param.full_tensor() if is_dtensor(param) else param  # W = 1: the parameter is full
         except Exception as exc:
             raise RuntimeError(
                 f"full state dict: parameter '{group.fqns[pos]}' is a tensor subclass "
