@@ -425,4 +425,41 @@ def all_gather_extensions_train_parity_hsdp(rank, world_size, impl):
     return {"losses": losses, "locals": _local_parts(model)}
 
 
+@cases.case(world_size=4, torch_reason=(
+    "torch 2.13 asserts one all-gather output per extension parameter with an int reshard_after_forward "
+    "(TwoTensor all-gathers two)"))
+def all_gather_extensions_train_parity_int_reshard(rank, world_size, impl):
+    """Beyond upstream: the train-parity case at W = 4 with ``reshard_after_forward=2`` (FSDP2
+    keeps a 2-rank copy after forward; flashfsdp reshards a unit with extension parameters fully,
+    as their all-gather inputs come from the hook on the shard): losses and gradient shards
+    equal the replicated reference's over 2 Adam steps (torch 2.13 fails the case)."""
+    with _patched_two_tensor(_pre_v2):
+        torch.manual_seed(42)
+        model = _two_tensor_mlps()
+        ref = copy.deepcopy(model)
+        ref_optim = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=True)
+        for mlp in model:
+            impl.fully_shard(mlp, reshard_after_forward=2)
+        impl.fully_shard(model, reshard_after_forward=2)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+        torch.manual_seed(42 + rank + 1)
+        inp = torch.randn((2, 8))
+        losses = []
+        for _ in range(2):
+            ref_loss = ref(inp).sum()
+            ref_loss.backward()
+            average_grads(ref)
+            loss = model(inp).sum()
+            loss.backward()
+            torch.testing.assert_close(loss, ref_loss)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                want = impl.shard_of(torch.Tensor(q.grad.a if hasattr(q.grad, "a") else q.grad), p)
+                torch.testing.assert_close(p.grad.to_local(), want, **FP32)
+            losses.append(loss.detach())
+            for o in (ref_optim, optim):
+                o.step()
+                o.zero_grad()
+    return {"losses": losses, "locals": _local_parts(model)}
+
+
 test_case = cases.pytest_tests()
