@@ -125,7 +125,9 @@ def begin_forward(state: "FSDPState") -> None:
             _close(other, found=True)
     if el.watch is not None or not el.enabled or not state.reshards_after_forward() or not torch.is_grad_enabled():
         return
-    if functorch_active() or torch.compiler.is_compiling() or not watch_possible() or recomputes_inside(state):
+    # a unit with all-gather extensions: what its forward saves lies outside the flat buffers
+    if (functorch_active() or torch.compiler.is_compiling() or not watch_possible() or recomputes_inside(state)
+            or state.unit.extensions):
         el.needs.record(None)
         return
     el.watch = start_watch(buffer_ranges([group.unsharded_flat for group in state.unit.groups]))

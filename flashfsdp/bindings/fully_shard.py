@@ -140,6 +140,9 @@ def _build_unit(modules, collected, groups: _init.MeshGroups, mesh, communicator
         all_gather_dtype=mp_policy.all_gather_dtype, spec=_init.sharding_spec(mesh, comm, target),
         shard_dims=shard_dims,
     )
+    # what FSDP2 passes to a parameter's fsdp_pre_all_gather: the module holding it, the policy
+    unit.extension_modules = [regs[0][0] for regs in collected.registrations]
+    unit.mp_policy = mp_policy
     return unit, resolved
 
 

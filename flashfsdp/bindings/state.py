@@ -236,6 +236,8 @@ class FSDPState:
         for group in self.unit.groups:
             group.sync_requires_grad()
         flags = tuple(p.requires_grad for g in self.unit.groups for p in g.unsharded_params)
+        if self.unit.extensions:  # fsdp_post_all_gather built new unsharded parameters: watch those
+            flags += tuple(id(e.unsharded) for e in self.unit.extensions)
         if flags != self._tracked_requires_grad:
             if self.gate.track_params([p for g in self.unit.groups for p in g.unsharded_params]):
                 self._tracked_requires_grad = flags
@@ -282,6 +284,8 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         self._sync_requires_grad()
         ctx.step.pre_forward(self)  # record; wait for the parameters; prefetch
+        if self.unit.extensions:  # the unsharded parameters fsdp_post_all_gather built are known now
+            self._sync_requires_grad()
         args, kwargs = self._cast_inputs(args, kwargs)
         if self._has_frozen_params():
             # A frozen parameter's gradient never marks the end of its uses: wait for the inputs'

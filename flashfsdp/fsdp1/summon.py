@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from flashfsdp.runtime.agreement import global_rank
+from flashfsdp.runtime.extensions import refuse_subclass_params
 from flashfsdp.runtime.flat_param import shards_written
 from flashfsdp.runtime.full_values import gather_flat
 from flashfsdp.runtime.init_window import close_init_windows
@@ -59,11 +60,19 @@ def _check_idle(state, where: str) -> None:
 
 @contextlib.contextmanager
 def summon_state(state, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool):
-    """The full parameters of one unit (``state``: its FSDPState) for the duration of the context."""
+    """The full parameters of one unit (``state``: its FSDPState) for the duration of the context.
+
+    Raises:
+        RuntimeError: during forward/backward.
+        NotImplementedError: a parameter of the unit is a tensor subclass with FSDP2's all-gather
+            extensions (kept outside the flat shard that is gathered here).
+    """
     _check_idle(state, "summon_full_params")
     if id(state) in _active:  # an enclosing summon holds them already
         yield
         return
+    refuse_subclass_params(state.unit.groups, "summon_full_params",
+                           "read it with param.full_tensor(), or keep it a plain tensor")
     close_init_windows()
     keep = not rank0_only or global_rank() == 0
     target = torch.device("cpu") if offload_to_cpu else state.unit.device

@@ -230,7 +230,8 @@ class FullyShardedDataParallel(nn.Module):
 
         Raises:
             RuntimeError: inside forward/backward.
-            NotImplementedError: FSDP1's unsupported combinations (``summon.check_args``).
+            NotImplementedError: FSDP1's unsupported combinations (``summon.check_args``); a
+                tensor-subclass parameter with FSDP2's all-gather extensions (``summon.summon_state``).
         """
         wrappers = FullyShardedDataParallel.fsdp_modules(module) if recurse else (
             [module] if isinstance(module, FullyShardedDataParallel) else [])

@@ -20,6 +20,9 @@ from typing import Any, Callable
 
 import torch
 
+from flashfsdp.runtime.extensions import refuse_subclass_params
+from flashfsdp.runtime.param_tags import tag_of
+
 from .runs import FlatStates, Run, plan_runs, signature
 
 
@@ -71,7 +74,22 @@ class FlatStepMixin:
         """Drop cached plans and ages (state was replaced from outside)."""
         self._cache("_flashfsdp_plans", dict).clear()
 
+    def _check_params(self, index: int, group: dict) -> None:
+        """Refuse (once per parameter list) a parameter kept outside its unit's flat shard.
+
+        Raises:
+            NotImplementedError: a tensor-subclass parameter with FSDP2's all-gather extensions.
+        """
+        checked = self._cache("_flashfsdp_checked", dict)
+        params = group["params"]
+        if checked.get(index) != (id(params), len(params)):
+            groups = {id(t.group): t.group for t in map(tag_of, params) if t is not None}
+            refuse_subclass_params(groups.values(), f"{type(self).__name__} (flashfsdp.optim)",
+                                   "step it with a torch.optim optimizer (e.g. torch.optim.AdamW)")
+            checked[index] = (id(params), len(params))
+
     def _plan(self, index: int, group: dict) -> GroupPlan:
+        self._check_params(index, group)
         plans = self._cache("_flashfsdp_plans", dict)
         key = (signature(group["params"]), *(group.get(f) for f in self._PLAN_FLAGS), *self._plan_flags(group))
         plan = plans.get(index)

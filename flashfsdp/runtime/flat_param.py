@@ -39,6 +39,7 @@ from flashfsdp._torch_private import set_dtensor_local
 from flashfsdp.kernels import flatten, quantize_int8, unflatten
 
 from .dim_chunks import chunks_to_full, full_to_chunks
+from .extensions import check_kept_subclasses, subclass_local
 from .grad_shard import GradShard
 from .layout import ShardLayout
 from .param_tags import set_tag
@@ -83,7 +84,9 @@ class FlatParam(GradShard):
 
     Raises:
         ValueError: if the parameters mix dtypes or requires_grad (group them first), one is
-            0-dim, or a shard dim is out of range.
+            0-dim, or a shard dim is out of range; a tensor subclass with FSDP2's all-gather
+            extensions that defines one hook only, or with ``offload`` or a shard dim other than 0
+            (``extensions.check_kept_subclasses``).
     """
 
     def __init__(
@@ -121,10 +124,15 @@ class FlatParam(GradShard):
                         for i in range(len(self.shapes))]
         # This rank's chunks of the master weights (nothing to copy from parameters on the meta
         # device: they get values after to_empty, see rehome).
+        # A parameter whose class defines FSDP2's all-gather extensions keeps its subclass as its
+        # local tensor (``extensions.py``); its slot in the flat shard is left zero.
+        self.subclass_positions = check_kept_subclasses(params, self.fqns, offload, self.layout.dims)
+        self.subclass_locals: dict[int, torch.Tensor] = {}
         self.sharded_flat = self._new_shard(self.dtype)
         if self.shard_device.type != "meta":
-            self._fill_shard(self.sharded_flat, [self._chunk_of(p.detach(), i) for i, p in enumerate(params)])
-        self.sharded_params = [self._make_sharded_param(i, requires_grad) for i in range(len(params))]
+            self._fill_shard(self.sharded_flat, [None if i in self.subclass_positions else self._chunk_of(p.detach(), i)
+                                                 for i, p in enumerate(params)])
+        self.sharded_params = [self._make_sharded_param(i, requires_grad, p) for i, p in enumerate(params)]
         GradShard.__init__(self)
         self._make_unsharded()
 
@@ -166,9 +174,12 @@ class FlatParam(GradShard):
             numels = [self.layout.local_numel(self.rank, i) for i in range(len(chunks))]
             flatten(sources, list(self.layout.offsets), flat, numels=numels)
 
-    def _make_sharded_param(self, i: int, requires_grad: bool) -> nn.Parameter:
-        param = self.spec.parameter(self.local_view(self.sharded_flat, i), self.shapes[i], requires_grad,
-                                    self.layout.dims[i])
+    def _make_sharded_param(self, i: int, requires_grad: bool, full: torch.Tensor) -> nn.Parameter:
+        if i in self.subclass_positions:
+            local = self.subclass_locals[i] = subclass_local(full, self.rank, self.world_size)
+        else:
+            local = self.local_view(self.sharded_flat, i)
+        param = self.spec.parameter(local, self.shapes[i], requires_grad, self.layout.dims[i])
         self._tag(param, i)
         return param
 
@@ -212,8 +223,12 @@ class FlatParam(GradShard):
             return any(local_of(p).device.type != "meta" or p is not q for p, q in zip(registered, self.sharded_params))
         lo = self.sharded_flat.data_ptr()
         hi = lo + self.sharded_flat.nbytes
-        for p, q in zip(registered, self.sharded_params):
+        for i, (p, q) in enumerate(zip(registered, self.sharded_params)):
             local = local_of(p)
+            if i in self.subclass_positions:
+                if p is not q or local is not self.subclass_locals[i]:
+                    return True
+                continue
             if (p is not q or local.dtype != self.dtype or local.device != self.shard_device
                     or (local.numel() > 0 and not lo <= local.data_ptr() < hi)):
                 return True
@@ -264,6 +279,11 @@ class FlatParam(GradShard):
         """
         if not self.rehome_needed(registered):
             return False
+        for i in self.subclass_positions:
+            raise ValueError(
+                f"parameter '{self.fqns[i]}' keeps its tensor subclass ({type(local_of(self.sharded_params[i])).__name__}"
+                f", for its fsdp_pre_all_gather / fsdp_post_all_gather) and was converted or replaced after "
+                f"fully_shard (module.to, to_empty, an assignment): convert the module before fully_shard")
         first = local_of(registered[0]) if registered else self.sharded_flat
         self.device = device or first.device
         self.dtype = first.dtype

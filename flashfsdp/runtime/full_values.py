@@ -4,11 +4,15 @@
 layout, from which the full parameters are cut out (the full state dicts, ``summon_full_params``).
 :func:`sharded_value_of` (local): a full-shape tensor or a DTensor of any placements as a tensor of
 a sharded parameter's kind, this rank's rows of it (loading state dicts, FSDP1's optimizer state).
+:func:`subclass_full_values` (collective): the full values of the parameters kept outside the flat
+shard, tensor subclasses with FSDP2's all-gather extensions (``extensions.py``), whose slots in the
+gathered buffer are zero: ``DTensor.full_tensor()`` of each, as FSDP2's full state dict gives it (a
+tensor of the subclass), not the extension's all-gather, which may be lossy (a bf16 all-gather).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -58,3 +62,30 @@ def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor
     group = tag.group
     local = group._chunk_of(value.detach(), tag.index).to(device=param.device).contiguous()
     return group.wrap_local(local, tag.index)
+
+
+@torch.no_grad()
+def subclass_full_values(group, positions: Iterable[int], target: torch.device) -> dict[int, torch.Tensor]:
+    """Position -> full value on ``target`` of each tensor-subclass parameter of ``group`` (a
+    ``FlatParam``) among ``positions``, full shape, the parameter's dtype and subclass.
+
+    Collective over the parameter's device mesh: every rank calls it for the same groups, in the
+    same order (also the ranks that keep nothing).
+
+    Raises:
+        RuntimeError: the subclass cannot be all-gathered by ``DTensor.full_tensor()``, naming the
+            parameter (the same on every rank: the subclass's code is).
+    """
+    out = {}
+    for pos in sorted(set(positions) & set(getattr(group, "subclass_positions", ()))):
+        param = group.sharded_params[pos]
+        try:
+            full = param.full_tensor() if is_dtensor(param) else param  # W = 1: the parameter is full
+        except Exception as exc:
+            raise RuntimeError(
+                f"full state dict: parameter '{group.fqns[pos]}' is a tensor subclass "
+                f"({type(param.to_local()).__name__}) with fsdp_pre_all_gather / fsdp_post_all_gather, and "
+                f"DTensor.full_tensor() of it failed ({type(exc).__name__}: {exc}); save it as a sharded state "
+                f"dict (model.state_dict(), DCP) instead") from exc
+        out[pos] = full.detach().to(target)
+    return out

@@ -25,6 +25,7 @@ from flashfsdp._torch_private import unsafe_set_version_counter
 
 from . import trace
 from .communicator import Communicator, Work
+from .extensions import PackedAllGather, ParamExtension, scan
 from .flat_param import FlatParam
 from .layout import align_elements
 from .quantized_gather import QuantizedAllGather, check_all_gather_dtype, finish_quantized
@@ -59,6 +60,7 @@ class AllGatherResult:
     issued: "trace.Issued | None" = None  # when it was issued (for an active profile)
     quantized: "list[QuantizedAllGather] | None" = None  # int8 all-gathers to dequantise at wait()
     groups: "list[FlatParam] | None" = None  # the groups to copy out at wait()
+    packed: "PackedAllGather | None" = None  # a unit with all-gather extensions: its byte-packed all-gather
 
     def wait(self) -> None:
         """Make the current stream wait on the all-gathers (GPU) or block until done (CPU), then
@@ -68,6 +70,9 @@ class AllGatherResult:
             if self.quantized:
                 self.event = finish_quantized(self.quantized, self.works, self.streams)
                 self.quantized, self.works = None, []
+            if self.packed is not None:
+                self.event = finish_packed(self.packed, self.works, self.streams, self.event)
+                self.packed, self.works, self.groups = None, [], None
             if self.groups and any(not g.layout.zero_copy for g in self.groups):
                 self.event = finish_copy_out(self.groups, self.works, self.streams, self.event)
                 self.works = []
@@ -157,6 +162,12 @@ class ShardedUnit:
         self.reduce_unused_params = False  # set_reduce_scatter_unused_params: zeros instead of None
         # FSDPModule.set_gradient_divide_factor: the gradients are the sum over ranks divided by it
         self.gradient_divide_factor: float | None = None
+        # FSDP2's all-gather extensions (``extensions.py``): the module holding each parameter and the
+        # mixed-precision policy, passed to ``fsdp_pre_all_gather`` (set by the bindings); the
+        # parameters using them, found at the first unshard (after a monkey patch) and after adopt
+        self.extension_modules: list = []
+        self.mp_policy = None
+        self._extensions: list[ParamExtension] | None = None
         self._tag_pieces()
 
     def _make_groups(self, params: Sequence[torch.Tensor], fqns: Sequence[str], offload: bool, pin_memory: bool,
@@ -221,6 +232,7 @@ class ShardedUnit:
                     )
                 changed |= group.rehome(pieces, self.param_dtype, device)
         if changed:
+            self._extensions = None
             self._tag_pieces()
             self.device = self.groups[0].device if self.groups else self.device
             self.streams = streams_for(self.device)
@@ -263,6 +275,8 @@ class ShardedUnit:
             return self._all_gather
         secondary = self._secondary if self.state is ShardState.SECONDARY else []
         comm = self.post_forward_comm if secondary else self.comm
+        if not secondary and self.extensions:
+            return self._unshard_packed()
         works = []
         buffers = [g.unsharded_flat for g in self.groups]
         versions = [b._version for b in buffers]
@@ -290,6 +304,47 @@ class ShardedUnit:
         self.state = ShardState.UNSHARDING
         return self._all_gather
 
+    @property
+    def extensions(self) -> list[ParamExtension]:
+        """The parameters whose local tensors define ``fsdp_pre_all_gather`` (found once, again after
+        :meth:`adopt`).
+
+        Raises:
+            ValueError: see ``extensions.scan`` (one hook only, CPU offload, a dim other than 0), or
+                int8 all-gathers (``all_gather_dtype``), which extensions replace.
+        """
+        if self._extensions is None:
+            slots = {(id(g), pos): i for i, (g, pos) in enumerate(self.param_slots)}
+            found = scan(self.groups, self.extension_modules, lambda g, pos: slots[(id(g), pos)])
+            if found and self.all_gather_dtype is not None:
+                raise ValueError(f"parameter '{found[0].fqn}' defines fsdp_pre_all_gather / fsdp_post_all_gather, "
+                                 f"which choose what is all-gathered: unit '{self.name}' cannot also all-gather in "
+                                 f"{self.all_gather_dtype} (MixedPrecisionPolicy.all_gather_dtype)")
+            self._extensions = found
+        return self._extensions
+
+    def _unshard_packed(self) -> AllGatherResult:
+        """Unshard of a unit with all-gather extensions: one all-gather of the byte-packed plain
+        shards and extension inputs (``extensions.PackedAllGather``)."""
+        buffers = [g.unsharded_flat for g in self.groups]
+        versions = [b._version for b in buffers]
+        ag = self.streams.all_gather
+        mesh = self.spec.mesh
+        if mesh is not None and mesh.ndim > 1 and mesh.mesh_dim_names:
+            mesh = mesh[mesh.mesh_dim_names[-1]]
+        with self.streams.use(ag), torch.no_grad():
+            with trace.span("copy_in", self.name, "all_gather", ag):
+                for group in self.groups:
+                    group.alloc_unsharded()
+                    group.copy_in()
+                packed = PackedAllGather(self.groups, self.extensions, self.comm, mesh, self.mp_policy)
+            with trace.issuing("all_gather", self.name, ag) as issued:
+                works = [issued.track(packed.issue(self.comm))]
+            event = self.streams.record(ag)
+        self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, issued, packed=packed)
+        self.state = ShardState.UNSHARDING
+        return self._all_gather
+
     def wait_unshard(self) -> None:
         """Make the current stream wait for the unshard in flight (issuing it if none is)."""
         if self.state in (ShardState.SHARDED, ShardState.SECONDARY):
@@ -311,7 +366,9 @@ class ShardedUnit:
         """
         if self.state is ShardState.UNSHARDING:
             self.wait_unshard()
-        keep = to_secondary and self.post_forward_comm is not None and self.state is ShardState.UNSHARDED
+        # A unit with extensions reshards fully: its inputs come from fsdp_pre_all_gather on the shard
+        keep = (to_secondary and self.post_forward_comm is not None and self.state is ShardState.UNSHARDED
+                and not self.extensions)
         if keep:
             k, index = self._post_forward_slot()
             with torch.no_grad():
@@ -323,6 +380,8 @@ class ShardedUnit:
         self.streams.order_after_current(self.streams.all_gather)
         for group in self.groups:
             group.free_unsharded()
+        for ext in self._extensions or ():
+            ext.free()
         self.state = ShardState.SECONDARY if self._secondary else ShardState.SHARDED
 
     # ------------------------------------------------------------------ gradients
@@ -355,6 +414,18 @@ class ShardedUnit:
             "unsharded_max": sum(g.unsharded_nbytes for g in self.groups),
             "gathered_max": sum(g.gathered_nbytes for g in self.groups),
         }
+
+
+def finish_packed(packed: PackedAllGather, works: Sequence[Work], streams: DeviceStreams | None,
+                  event: "torch.cuda.Event | None") -> "torch.cuda.Event | None":
+    """:func:`finish_copy_out` of a byte-packed all-gather (``PackedAllGather.finish``): on CUDA on
+    the all-gather stream after ``event``, returning the event recorded there after it."""
+    stream = streams.all_gather if streams is not None else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+        packed.finish(works)
+        return streams.record(stream) if stream is not None else None
 
 
 def finish_copy_out(groups: Sequence[FlatParam], works: Sequence[Work], streams: DeviceStreams | None,

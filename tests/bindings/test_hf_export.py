@@ -277,6 +277,22 @@ def test_save_pretrained_of_an_fsdp1_wrapper_says_what_to_call(tmp_path):
     assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval()), _logits(wrapped))
 
 
+def test_save_pretrained_refuses_an_all_gather_extension_parameter(tmp_path):
+    """A tensor-subclass weight with FSDP2's all-gather hooks (kept outside the flat shard; no
+    safetensors form) is refused before anything is gathered or written, naming it."""
+    from tests.fsdp2_suite.test_extensions import _patched_two_tensor, _pre_v2  # noqa: PLC0415
+    from torch.testing._internal.two_tensor import TwoTensor  # noqa: PLC0415
+
+    with _patched_two_tensor(_pre_v2):
+        model = tiny_llama()
+        proj = model.model.layers[0].mlp.up_proj
+        proj.weight = torch.nn.Parameter(TwoTensor(proj.weight.detach().clone(), proj.weight.detach().clone()))
+        model = shard(model)
+        with pytest.raises(NotImplementedError, match=r"save_pretrained.*'model\.layers\.0\.mlp\.up_proj\.weight'.*TwoTensor"):
+            hf_save.save_pretrained(model, tmp_path)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]
+
+
 def test_save_pretrained_writes_buffers_outside_units(tmp_path):
     """A persistent buffer (no unit holds buffers) is written as it is, in a file of its own."""
     from safetensors.torch import load_file  # noqa: PLC0415

@@ -17,8 +17,9 @@ from flashfsdp.kernels import flatten, unflatten
 from flashfsdp.runtime.agreement import agree, agree_from_rank0, agree_in_group, global_rank
 from flashfsdp.runtime.comm_factory import communicator_in_use, default_group
 from flashfsdp.runtime.dim_chunks import chunks_to_full, full_to_chunks
+from flashfsdp.runtime.extensions import refuse_subclass_params
 from flashfsdp.runtime.flat_param import FlatParam, shards_written
-from flashfsdp.runtime.full_values import gather_flat
+from flashfsdp.runtime.full_values import gather_flat, subclass_full_values
 from flashfsdp.runtime.init_window import close_init_windows
 from flashfsdp.runtime.sharding_spec import is_dtensor
 
@@ -155,6 +156,9 @@ def full_unit_params(state: FSDPState, target: torch.device, keep: bool = True) 
                     out[positions[pos]] = tensor
             except Exception as exc:  # noqa: BLE001 - the other ranks are still gathering
                 error, out = exc, {}
+        for pos, tensor in subclass_full_values(group, positions, target).items():  # collective
+            if keep and error is None:
+                out[positions[pos]] = tensor
     agree_in_group(unit.comm, error, unit.device)
     return out
 
@@ -167,6 +171,8 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
     is all-gathered into one W·S-element buffer in the parameters' original dtype (not
     ``param_dtype``), the parameters are cut out of it (``unflatten``, then copied to the CPU),
     and the next unit reuses the buffer, so the extra memory on the device is one (the largest) unit.
+    A tensor-subclass parameter with FSDP2's all-gather extensions (kept outside the flat shard)
+    gives ``DTensor.full_tensor()`` of it, a full tensor of its subclass (``full_values.py``).
 
     No rank is left waiting: the arguments and the model are checked on every rank and the ranks
     agree before the first all-gather (an error on one rank is raised on every rank, naming it);
@@ -199,27 +205,41 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
     keep = not rank0_only or global_rank() == 0
     gathered: dict[str, torch.Tensor] = {}
     for _, state in states:
-        unit = state.unit
+        target = torch.device("cpu") if cpu_offload else state.unit.device
         wanted = _wanted_by_group(state, owners, template.keys())
-        target = torch.device("cpu") if cpu_offload else unit.device
-        for group in unit.groups:
-            positions = wanted.get(id(group))
-            if not positions:
-                continue
-            full = flat_buffer(group, unit.device)
-            gather_flat(unit, group, group.sharded_flat, full)
-            if keep and error is None:
-                try:
-                    for pos, out in cut_params(group, full, sorted(positions), target).items():
-                        gathered.update(dict.fromkeys(positions[pos], out))
-                except Exception as exc:  # noqa: BLE001 - the other ranks are still gathering
-                    error, gathered = exc, {}
+        error = _gather_unit(state.unit, wanted, target, flat_buffer, keep and error is None, gathered) or error
     del flat_buffer
     agree(error)
     if not keep:
         return {}
     return {key: gathered[key] if key in gathered else _plain_value(value, cpu_offload)
             for key, value in template.items()}
+
+
+def _gather_unit(unit, wanted: dict, target: torch.device, flat_buffer, keep: bool,
+                 gathered: dict[str, torch.Tensor]) -> BaseException | None:
+    """:func:`get_full_state_dict` of one unit (collective): each wanted group all-gathered and, if
+    ``keep``, its parameters cut out into ``gathered`` under their keys (tensor subclasses with
+    all-gather extensions: ``full_tensor()``). A failure while cutting empties ``gathered`` and is
+    returned after the unit's collectives (the other ranks are still gathering)."""
+    error = None
+    for group in unit.groups:
+        positions = wanted.get(id(group))
+        if not positions:
+            continue
+        full = flat_buffer(group, unit.device)
+        gather_flat(unit, group, group.sharded_flat, full)
+        if keep and error is None:
+            try:
+                for pos, out in cut_params(group, full, sorted(positions), target).items():
+                    gathered.update(dict.fromkeys(positions[pos], out))
+            except Exception as exc:  # noqa: BLE001 - the other ranks are still gathering
+                error = exc
+                gathered.clear()
+        for pos, out in subclass_full_values(group, positions, target).items():  # collective
+            if keep and error is None:
+                gathered.update(dict.fromkeys(positions[pos], out))
+    return error
 
 
 def _plan_get(model: Any, cpu_offload: Any, rank0_only: Any) -> tuple:
@@ -405,7 +425,9 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
             tensor for a floating parameter: refused rather than silently made a float).
         ValueError: no fully_shard'ed module; a missing or unexpected key (strict), a wrong shape —
             each message names the key; the units differ across ranks.
-        NotImplementedError: the model has extra state (``get_extra_state``), which is not broadcast.
+        NotImplementedError: the model has extra state (``get_extra_state``), which is not broadcast;
+            a tensor-subclass parameter with FSDP2's all-gather extensions (its values are not the
+            flat shard's this broadcasts into: load a sharded state dict).
         Any error of one rank, on every rank (the rank named in the message).
     """
     plan, present, error = None, None, None
@@ -432,4 +454,6 @@ def _plan_set(model: Any, strict: Any) -> tuple:
     states = units_of(model, "set_full_state_dict")
     if not isinstance(strict, bool):
         raise TypeError(f"set_full_state_dict: strict must be a bool, got {strict!r}")
+    refuse_subclass_params([g for _, state in states for g in state.unit.groups], "set_full_state_dict",
+                           "load a sharded state dict instead (model.load_state_dict of DTensors, or DCP)")
     return states, model.state_dict(), param_owners(model), _flat_buffers(states)

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from flashfsdp.runtime.agreement import agree, global_rank
+from flashfsdp.runtime.extensions import refuse_subclass_params
 from flashfsdp.runtime.sharding_spec import is_dtensor
 
 from ..state import FSDPState
@@ -142,6 +143,8 @@ def _plan(model: Any, save_directory: Any, max_shard_size: Any) -> _Plan:
         raise TypeError(f"save_pretrained: model must be a transformers PreTrainedModel, got "
                         f"{type(model).__name__}; for other models use flashfsdp.get_full_state_dict")
     states = [state for _, state in units_of(model, "save_pretrained")]
+    refuse_subclass_params([g for state in states for g in state.unit.groups], "save_pretrained",
+                           "safetensors holds plain tensors: save a sharded state dict (DCP) instead")
     if not isinstance(save_directory, (str, os.PathLike)):
         raise TypeError(f"save_pretrained: save_directory must be a path, got {type(save_directory).__name__}")
     directory = os.fspath(save_directory)
@@ -261,6 +264,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *,
         TypeError: ``model`` is not a PreTrainedModel (or is an FSDP1 wrapper), ``save_directory``
             not a path, or ``max_shard_size`` of another kind.
         ValueError: no fully_shard'ed module; ``save_directory`` is a file; a bad size string.
+        NotImplementedError: a tensor-subclass parameter with FSDP2's all-gather extensions.
         RuntimeError: called during forward/backward.
         Any error of one rank (e.g. writing on rank 0), on every rank, naming the rank.
     """

@@ -25,6 +25,7 @@ import functools
 import torch
 import torch.nn as nn
 
+from flashfsdp.runtime.extensions import defines_extension
 from flashfsdp.runtime.flat_param import shards_written
 from flashfsdp.runtime.full_values import sharded_value_of
 from flashfsdp.runtime.init_window import close_init_windows
@@ -79,17 +80,20 @@ def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, pref
     # the sharded parameters). Detached values are built over the local chunk here, not by
     # ``param.detach()`` (see [Note: DTensor wrapper storage offset] in runtime/sharding_spec.py).
     params = [state.unit.sharded_param(i) for i in range(len(state.registrations))]
+    # A tensor subclass (all-gather extensions) has no storage of its own: every one's data_ptr()
+    # is 0, so it is found by identity only, never by memory (that would match another parameter).
     by_param = {id(p): i for i, p in enumerate(params)}
-    by_local = {_local_key(p): i for i, p in enumerate(params)}
+    by_local = {_local_key(p): i for i, p in enumerate(params) if _has_storage(p)}
     if state.holds_unsharded:  # (a detached unsharded view: same memory and shape as the parameter)
-        by_unsharded = {_local_key(state.unit.unsharded_param(i)): i for i in range(len(params))}
+        by_unsharded = {_local_key(u): i for i, u in enumerate(map(state.unit.unsharded_param, range(len(params))))
+                        if _has_storage(u)}
     for key, value in list(state_dict.items()):
         if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
             continue
         i = by_param.get(id(value))
-        if i is None and is_dtensor(value):
+        if i is None and is_dtensor(value) and _has_storage(value):
             i = by_local.get(_local_key(value))
-        if i is None and state.holds_unsharded and not is_dtensor(value):
+        if i is None and state.holds_unsharded and not is_dtensor(value) and _has_storage(value):
             i = by_unsharded.get(_local_key(value))
         if i is None:
             continue
@@ -99,6 +103,11 @@ def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, pref
         else:
             group, pos = state.unit.param_slots[i]
             state_dict[key] = group.wrap_local(local_of(param).detach(), pos)
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    local = local_of(tensor)
+    return type(local) in (torch.Tensor, nn.Parameter) or not defines_extension(local)
 
 
 def _local_key(tensor: torch.Tensor) -> tuple:
