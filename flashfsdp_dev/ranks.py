@@ -17,6 +17,7 @@ one-rank group in the test process itself.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import os
 import tempfile
@@ -57,6 +58,10 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, setup: _Ra
         os.environ.clear()
         os.environ.update(setup.env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # A fatal signal (gloo's abort on a mismatched collective, a segfault) leaves no traceback of
+    # its own: faulthandler writes every thread's Python stack to this file for the caller's report.
+    faults = open(os.path.join(out_dir, f"rank{rank}.faults"), "w")  # noqa: SIM115 - open for the rank's life
+    faulthandler.enable(file=faults, all_threads=True)
     if setup.threads is not None:
         torch.set_num_threads(setup.threads)
     if setup.backend == "nccl":
@@ -78,13 +83,19 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, setup: _Ra
 
 
 def _rank_errors(out_dir: str, world_size: int) -> list[str]:
+    """Each failed rank's traceback, and the Python stacks faulthandler wrote for a rank killed by
+    a fatal signal (saying whether that rank had returned its result before)."""
     errors = []
     for r in range(world_size):
         path = os.path.join(out_dir, f"rank{r}.pt")
-        if os.path.exists(path):
-            res = torch.load(path, weights_only=False)
-            if "error" in res:
-                errors.append(f"--- rank {r} ---\n{res['error']}")
+        res = torch.load(path, weights_only=False) if os.path.exists(path) else {}
+        if "error" in res:
+            errors.append(f"--- rank {r} ---\n{res['error']}")
+        faults = os.path.join(out_dir, f"rank{r}.faults")
+        text = open(faults).read().strip() if os.path.exists(faults) else ""
+        if text:
+            when = "after it returned its result" if "ok" in res else "before it returned"
+            errors.append(f"--- rank {r}: fatal signal {when} ---\n{text}")
     return errors
 
 

@@ -1,5 +1,6 @@
-"""flashfsdp_dev.ranks: the spawner (through tests.harness) reports a failing rank's traceback, and a
-rank that exits without one (``os._exit``, as the ported suites' runner does) by its exit code."""
+"""flashfsdp_dev.ranks: the spawner (through tests.harness) reports a failing rank's traceback, a
+rank that exits without one (``os._exit``, as the ported suites' runner does) by its exit code,
+and a rank killed by a fatal signal (gloo's abort) by the Python stack faulthandler wrote."""
 
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ def _exits_on_rank_0(rank: int, world_size: int) -> int:
 def test_a_rank_that_exits_fails_the_call_with_its_exit_code():
     with pytest.raises(RanksFailed, match="exit code 3"):
         spawn_ranks(_exits_on_rank_0, 2, threads=1, timeout=120, start_method=start_method())
+
+
+def _aborts_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os.abort()  # what gloo's std::terminate on a mismatched collective does
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_fails_the_call_with_its_python_stack():
+    with pytest.raises(RanksFailed, match=r"(?s)--- rank 1: fatal signal before it returned ---.*Aborted.*"
+                                          r"_aborts_on_rank_1"):
+        spawn_ranks(_aborts_on_rank_1, 2, threads=1, timeout=120, start_method=start_method())
