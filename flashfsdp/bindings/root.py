@@ -22,6 +22,7 @@ from flashfsdp.runtime.tree import map_tensors
 
 from . import backward_check, elision
 from .optimizer_check import register_optimizer_check
+from .optimizer_local_step import register_optimizer_local_step
 from .structure import check_same_structure
 
 
@@ -195,6 +196,7 @@ def init_root(self) -> None:
     # one rank alone is raised on every rank.
     check_same_structure(states, error)
     register_optimizer_check()
+    register_optimizer_local_step()  # after the check: it reads the parameters as given
     ctx = RootContext(self, states, PrefetchPolicy(max_inflight=self.max_inflight), self.is_last_backward)
     for state in states:
         state.ctx = ctx

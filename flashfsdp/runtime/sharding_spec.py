@@ -37,6 +37,10 @@ from torch.distributed.tensor import DTensor
 
 from flashfsdp._torch_private import DTensorSpec, TensorMeta, dtensor_local, make_wrapper_subclass
 
+# Set (True) on every sharded parameter a unit makes, so that code outside the unit can tell
+# flashfsdp's DTensor parameters from other DTensors (``bindings/optimizer_local_step.py``).
+SHARDED_ATTR = "_flashfsdp_sharded"
+
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides of ``shape`` (elements)."""
@@ -95,11 +99,7 @@ class ShardingSpec:
             spec = DTensorSpec(self.mesh, self.placements_for(dim),
                                tensor_meta=TensorMeta(shape, contiguous_strides(shape), local.dtype))
             self._specs[key] = spec
-        meta = spec.tensor_meta
-        out = make_wrapper_subclass(DTensor, meta.shape, strides=meta.stride, storage_offset=0, dtype=local.dtype,
-                                    device=local.device, layout=local.layout, requires_grad=False)
-        out._spec, out._local_tensor = spec, local  # see [Note: DTensor wrapper storage offset]
-        return out
+        return _wrapper(spec, local)
 
     def parameter(self, local: torch.Tensor, shape: Sequence[int], requires_grad: bool, dim: int = 0) -> nn.Parameter:
         """An ``nn.Parameter`` over :meth:`wrap` of ``local`` (sharded along ``dim``). A DTensor is made a parameter as
@@ -110,12 +110,33 @@ class ShardingSpec:
         param = self.wrap(local, shape, dim)
         param.requires_grad_(requires_grad)
         param._is_param = True  # what nn.Parameter.__new__ marks a tensor subclass with
+        setattr(param, SHARDED_ATTR, True)
         return param
 
     def __repr__(self) -> str:
         if self.mesh is None:
             return "ShardingSpec(plain tensors)"
         return f"ShardingSpec({self.mesh}, {self.placements})"
+
+
+def wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a tensor of ``param``'s local shape, any dtype, e.g. an optimizer state) as a DTensor
+    of the DTensor ``param``'s mesh, placements, global shape and stride, as
+    ``torch.zeros_like(param)`` would make it on FSDP2. Not differentiable; no copy, no collective."""
+    spec = param._spec
+    if local.dtype != param.dtype:
+        spec = DTensorSpec(spec.mesh, spec.placements,
+                           tensor_meta=TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype))
+    return _wrapper(spec, local)
+
+
+def _wrapper(spec, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor of ``spec`` over ``local``, made as [Note: DTensor wrapper storage offset] says."""
+    meta = spec.tensor_meta
+    out = make_wrapper_subclass(DTensor, meta.shape, strides=meta.stride, storage_offset=0, dtype=local.dtype,
+                                device=local.device, layout=local.layout, requires_grad=False)
+    out._spec, out._local_tensor = spec, local
+    return out
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
