@@ -4,10 +4,12 @@ trained with the router's load-balancing loss.
 
 Mixtral's ``MixtralExperts`` holds all experts of a layer in two 3-D parameters,
 ``gate_up_proj`` ``[experts, 2·intermediate, hidden]`` and ``down_proj`` ``[experts, hidden,
-intermediate]``. Under expert parallelism torchtitan has already split dim 0 (the experts) over its
-EP mesh and has FSDP shard them along dim 1 instead (``shard_placement_fn=lambda p: Shard(1)``);
-here each layer's ``fully_shard`` places its expert weights on ``Shard(1)`` (or ``Shard(-1)``), every
-other parameter on FSDP2's default ``Shard(0)``.
+intermediate]``. Under expert parallelism, once its EP mesh has split dim 0 (the experts) and the
+FSDP degree times the EP degree exceeds the number of experts, torchtitan has FSDP shard them along
+dim 1 instead (``fully_shard(experts, shard_placement_fn=lambda p: Shard(1))``);
+here the expert weights go on ``Shard(1)`` (or ``Shard(-1)``) both ways a client writes it — through
+the decoder layer's ``shard_placement_fn`` (layer 0), and as torchtitan does, the experts a unit of
+their own inside the layer's (layer 1) — every other parameter on FSDP2's default ``Shard(0)``.
 
 1. ``Shard(1)``: three AdamW steps (the language-model loss plus ``router_aux_loss_coef`` times the
    load-balancing loss) against the unsharded model with gradients averaged over the ranks and,
@@ -20,12 +22,16 @@ other parameter on FSDP2's default ``Shard(0)``.
    FSDP2 refuses uneven chunks off dim 0 (``NotImplementedError``; its case checks that it still
    does); flashfsdp shards them as ``torch.chunk`` does and runs the same training against the
    unsharded model.
+3. DCP across implementations: a checkpoint torch's FSDP2 wrote (experts on ``Shard(1)``) loads into
+   flashfsdp's sharding, and one flashfsdp wrote with uneven ``Shard(-1)`` experts loads resharded
+   onto ``Shard(1)``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -87,10 +93,15 @@ def expert_dims(model, dim: int) -> dict:
 
 
 def shard_mixtral(model, api, dim: int):
-    """Each decoder layer with its experts on ``Shard(dim)`` (the rest default), then the root."""
-    for layer in model.model.layers:
-        experts = {id(p) for p in layer.mlp.experts.parameters()}
-        api.fully_shard(layer, shard_placement_fn=lambda p, e=experts: Shard(dim) if id(p) in e else None)
+    """Each decoder layer with its experts on ``Shard(dim)`` (the rest default), then the root.
+    Layer 0 places them through the layer's own ``shard_placement_fn`` (one unit per layer); layer 1
+    as torchtitan does, ``fully_shard(experts, shard_placement_fn=lambda p: Shard(dim))`` as a unit of
+    its own, then the layer."""
+    layer0, layer1 = model.model.layers
+    experts = {id(p) for p in layer0.mlp.experts.parameters()}
+    api.fully_shard(layer0, shard_placement_fn=lambda p: Shard(dim) if id(p) in experts else None)
+    api.fully_shard(layer1.mlp.experts, shard_placement_fn=lambda p: Shard(dim))
+    api.fully_shard(layer1)
     api.fully_shard(model)
     assert_sharded_by(model, api)
     return model
@@ -174,6 +185,37 @@ def _uneven_case(rank, world_size, impl):
         _moe_training(fsdp_api(impl), rank, -1, ODD)
 
 
+def _perturbed(model, scale: float):
+    """``model`` with every parameter scaled in place (values no fresh model has)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model
+
+
+def _dcp_case(rank, world_size, path):
+    torch_api, flash = fsdp_api("torch"), fsdp_api("flashfsdp")
+    # Written by torch's FSDP2 (experts on Shard(1)), read by flashfsdp with the same placements.
+    src = _perturbed(shard_mixtral(tiny_mixtral(**EVEN), torch_api, 1), 3.0)
+    dcp.save(src.state_dict(), checkpoint_id=f"{path}/torch")
+    dst = shard_mixtral(tiny_mixtral(**EVEN), flash, 1)
+    state_dict = dst.state_dict()
+    dcp.load(state_dict, checkpoint_id=f"{path}/torch")
+    dst.load_state_dict(state_dict)
+    assert_same(params_summary(dst), params_summary(src), "parameters loaded from torch's checkpoint")
+    assert_close_tree(local_params(dst), local_params(src), "shards loaded from torch's checkpoint", rtol=0, atol=0)
+    # Written by flashfsdp with uneven Shard(-1) experts, read back resharded on Shard(1).
+    uneven = _perturbed(shard_mixtral(tiny_mixtral(**ODD), flash, -1), 3.0)
+    dcp.save(uneven.state_dict(), checkpoint_id=f"{path}/uneven")
+    resharded = shard_mixtral(tiny_mixtral(**ODD), flash, 1)
+    state_dict = resharded.state_dict()
+    dcp.load(state_dict, checkpoint_id=f"{path}/uneven")
+    resharded.load_state_dict(state_dict)
+    for (name, p), q in zip(uneven.named_parameters(), resharded.parameters()):
+        assert q.placements == (Shard(1 if ".mlp.experts." in name else 0),), (name, q.placements)
+        torch.testing.assert_close(q.full_tensor(), p.full_tensor(), rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_mixtral_experts_on_shard_dim1(impl):
     """Mixtral's stacked expert weights on ``Shard(1)`` (torchtitan's FSDP placement under expert
@@ -190,3 +232,10 @@ def test_mixtral_experts_on_uneven_last_dim(impl):
     FSDP2 raises ``NotImplementedError``; flashfsdp shards it as ``torch.chunk`` does (7 and 6
     columns) and trains it as the unsharded model, with FSDP2's types for the rest."""
     run(_uneven_case, impl)
+
+
+def test_mixtral_dcp_checkpoint_across_implementations(tmp_path):
+    """A DCP checkpoint of the Mixtral with experts on ``Shard(1)`` written by torch's FSDP2 loads
+    into flashfsdp's sharding of it shard for shard; one flashfsdp wrote with uneven ``Shard(-1)``
+    experts loads resharded onto ``Shard(1)`` with the same full values."""
+    run(_dcp_case, str(tmp_path))
