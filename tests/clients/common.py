@@ -1,7 +1,7 @@
 """Client code run against torch's FSDP2 and against flashfsdp with only the import swapped.
 
 Every test in this directory runs code the way a client library or a training script writes it
-(nanoGPT, torchtitan, PEFT, Lightning Fabric) on W = 2 gloo ranks, once with
+(nanoGPT, torchtitan, PEFT, Lightning Fabric, a transformers Mixtral) on W = 2 gloo ranks, once with
 ``torch.distributed.fsdp`` and once with ``flashfsdp`` as the FSDP2 module, on the same seeds.
 A test is parametrised by :data:`IMPLS`: its ``torch`` case checks torch's FSDP2 against the
 contract below and against an unsharded reference (so the test itself is shown to hold, and able
@@ -9,9 +9,10 @@ to fail); its ``flashfsdp`` case runs torch's FSDP2 first in the same ranks and 
 flashfsdp to give the same types and the same values.
 
 The contract is what client code relies on after ``fully_shard`` (see :func:`fsdp2_contract`):
-every parameter an ``nn.Parameter`` holding a ``DTensor`` sharded ``(Shard(0),)`` on a 1-D mesh of
-W ranks, with the module's global shape and ``torch.chunk``'s rows as its local shape; gradients
-DTensors of the same layout; ``state_dict()`` values DTensors too.
+every parameter an ``nn.Parameter`` holding a ``DTensor`` sharded ``(Shard(0),)`` (``(Shard(k),)``
+where ``shard_placement_fn`` says so) on a 1-D mesh of W ranks, with the module's global shape and
+``torch.chunk``'s slice along the shard dim as its local shape; gradients DTensors of the same
+layout; ``state_dict()`` values DTensors too.
 
 accelerate's FSDP2 path (``FullyShardedDataParallelPlugin(fsdp_version=2)``) has no case here: accelerate
 enables FSDP only on accelerator devices; on CPU (``Accelerator(cpu=True)``, gloo) it sets up
@@ -88,27 +89,34 @@ def state_dict_summary(state_dict: dict) -> dict:
     return {name: describe(v) for name, v in state_dict.items()}
 
 
-def chunk_shape(shape, rank: int, world_size: int = W) -> tuple:
-    """The local shape of ``Shard(0)`` over ``world_size`` ranks (``torch.chunk``'s rows; empty past the last chunk)."""
-    rows = -(-shape[0] // world_size) if shape else 0
-    start = min(rank * rows, shape[0])
-    return (min(rows, shape[0] - start), *shape[1:])
+def chunk_shape(shape, rank: int, world_size: int = W, dim: int = 0) -> tuple:
+    """The local shape of ``Shard(dim)`` over ``world_size`` ranks (``torch.chunk``'s slices along
+    ``dim``; empty past the last chunk)."""
+    if not shape:
+        return ()
+    d = shape[dim]
+    rows = -(-d // world_size)
+    start = min(rank * rows, d)
+    return (*shape[:dim], min(rows, d - start), *shape[dim + 1:])
 
 
-def local_chunk(full: torch.Tensor, rank: int, world_size: int = W) -> torch.Tensor:
-    """Rank ``rank``'s rows of ``full`` under ``Shard(0)``: what its ``to_local()`` must hold."""
-    rows = -(-full.shape[0] // world_size)
-    return full[rank * rows: (rank + 1) * rows]
+def local_chunk(full: torch.Tensor, rank: int, world_size: int = W, dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` under ``Shard(dim)``: what its ``to_local()`` must hold."""
+    rows = -(-full.shape[dim] // world_size)
+    return full[(slice(None),) * dim + (slice(rank * rows, (rank + 1) * rows),)]
 
 
-def fsdp2_contract(named_tensors, rank: int, world_size: int = W, *, parameter: bool = True) -> dict:
+def fsdp2_contract(named_tensors, rank: int, world_size: int = W, *, parameter: bool = True,
+                   dims: dict | None = None) -> dict:
     """What :func:`describe` must give for each ``(name, full tensor)`` once sharded by FSDP2: for
-    parameters (``parameter=True``), and for gradients and ``state_dict()`` values (plain DTensors)."""
+    parameters (``parameter=True``), and for gradients and ``state_dict()`` values (plain DTensors).
+    ``dims`` maps names to the shard dim ``shard_placement_fn`` gave them (default 0)."""
+    dims = dims or {}
     return {
         name: {
-            "type": "DTensor", "parameter": parameter, "dtensor": True, "placements": ("Shard(dim=0)",),
-            "mesh_shape": (world_size,), "shape": tuple(t.shape), "local_shape": chunk_shape(t.shape, rank, world_size),
-            "dtype": str(t.dtype),
+            "type": "DTensor", "parameter": parameter, "dtensor": True,
+            "placements": (f"Shard(dim={dims.get(name, 0)})",), "mesh_shape": (world_size,), "shape": tuple(t.shape),
+            "local_shape": chunk_shape(t.shape, rank, world_size, dims.get(name, 0)), "dtype": str(t.dtype),
         }
         for name, t in named_tensors
     }
@@ -132,14 +140,18 @@ def assert_sharded_by(model: nn.Module, api) -> None:
     assert units and "" in units, f"{api.__name__}: the root is not one of its FSDPModules (units: {units})"
 
 
-def assert_params_contract(model: nn.Module, ref: nn.Module, rank: int) -> None:
-    """Every parameter is an ``nn.Parameter`` DTensor ``(Shard(0),)`` with the reference's shape."""
-    assert_same(params_summary(model), fsdp2_contract(ref.named_parameters(), rank), "parameters after fully_shard")
+def assert_params_contract(model: nn.Module, ref: nn.Module, rank: int, dims: dict | None = None) -> None:
+    """Every parameter is an ``nn.Parameter`` DTensor ``(Shard(0),)`` (``(Shard(k),)`` where ``dims``
+    maps its name to k) with the reference's shape."""
+    assert_same(params_summary(model), fsdp2_contract(ref.named_parameters(), rank, dims=dims),
+                "parameters after fully_shard")
 
 
-def assert_grads_contract(model: nn.Module, ref: nn.Module, rank: int) -> None:
-    """Every gradient (where the reference has one) is a DTensor ``(Shard(0),)`` of the parameter's shape."""
-    want = fsdp2_contract(((n, p) for n, p in ref.named_parameters() if p.grad is not None), rank, parameter=False)
+def assert_grads_contract(model: nn.Module, ref: nn.Module, rank: int, dims: dict | None = None) -> None:
+    """Every gradient (where the reference has one) is a DTensor of its parameter's placement
+    (``(Shard(0),)``, or ``(Shard(k),)`` where ``dims`` maps its name to k) and shape."""
+    want = fsdp2_contract(((n, p) for n, p in ref.named_parameters() if p.grad is not None), rank, parameter=False,
+                          dims=dims)
     want = {n: want.get(n) for n, _ in ref.named_parameters()}
     assert_same(grads_summary(model), want, "gradients")
 
@@ -176,13 +188,15 @@ def assert_close_tree(got, want, what: str, **tol) -> None:
         assert got == want, f"{what}: got {got!r}, want {want!r}"
 
 
-def assert_shards_of(model_values: dict, ref: nn.Module, rank: int, what: str, *, grads: bool = False) -> None:
+def assert_shards_of(model_values: dict, ref: nn.Module, rank: int, what: str, *, grads: bool = False,
+                     dims: dict | None = None) -> None:
     """Each local shard in ``model_values`` (by name) is rank ``rank``'s rows of the reference's
-    parameter (``grads``: of its gradient)."""
+    parameter (``grads``: of its gradient); its slice along dim k where ``dims`` maps its name to k."""
+    dims = dims or {}
     want = {}
     for name, p in ref.named_parameters():
         full = p.grad if grads else p
-        want[name] = None if full is None else local_chunk(full.detach(), rank)
+        want[name] = None if full is None else local_chunk(full.detach(), rank, dim=dims.get(name, 0))
     assert_close_tree(model_values, want, what)
 
 
