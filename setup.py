@@ -4,8 +4,10 @@ from setuptools import find_packages, setup
 
 # tests/clients: client libraries run on flashfsdp with the import swapped (pinned: their FSDP2 paths change).
 # torchtitan has its own extra, outside test: torchtitan 0.3.0 requires datasets<4.8 (and so an older
-# huggingface_hub), which would downgrade the suite's.
-CLIENTS = ["peft==0.21.2", "lightning==2.6.6"]
+# huggingface_hub), which would downgrade the suite's. torchao 0.18.0 has no dependencies (its NF4Tensor
+# lives in torchao.quantization.quantize_.workflows.nf4 from this version on; its CUDA extensions print
+# that they cannot load on CPU, and its Python parts, NF4 and float8 training, run).
+CLIENTS = ["peft==0.21.2", "lightning==2.6.6", "torchao==0.18.0"]
 
 setup(
     name="flashfsdp",

@@ -14,7 +14,12 @@
   2. *done*: gradients ready, and the gradients of the forward inputs that required grad
      computed (``torch.autograd.graph.register_multi_grad_hook``), so no op of the unit that may
      still read a parameter (a frozen one, whose gradient is never accumulated) runs after the
-     unit reshards. Units without trainable parameters are done when their inputs are.
+     unit reshards. Units without trainable parameters are done when their inputs are. A unit
+     with a frozen parameter whose forward had no input to wait for (none required grad, or
+     only leaves did: the root of a model whose embedding is frozen) is done at the end of the
+     backward, as FSDP2 ends it then: an op that reads the frozen parameter to pass a gradient to
+     an earlier unit (the frozen base weight of a LoRA output head) may run after the unit's
+     trainable parameters have their gradients.
 
   A unit whose events do not come (no input requires grad and no parameter gets a gradient; an
   output that the loss does not use) is finished by the final callback queued on the autograd
@@ -124,7 +129,8 @@ class PostBackwardGate:
             (reshard).
 
     Use: :meth:`track_params` with the unit's unsharded parameters (again whenever which of them
-    require grad changes); :meth:`arm` with each forward's inputs that require grad; :meth:`reset`
+    require grad changes); :meth:`arm` with each forward's inputs that require grad (:meth:`wait_for_inputs`
+    for a unit with a frozen parameter); :meth:`reset`
     when the backward is over; :meth:`forget_inputs` when a forward had no backward.
     """
 
@@ -144,6 +150,7 @@ class PostBackwardGate:
         self._waiting_params = 0
         self._ready = False
         self._done = False
+        self._hold = False  # done only at the end of the backward (see wait_for_inputs)
 
     def track_params(self, params: Iterable[torch.Tensor]) -> bool:
         """Watch the gradient accumulation of those ``params`` that require grad; False (nothing
@@ -182,9 +189,19 @@ class PostBackwardGate:
             old_handle.remove()
             self._pending.discard(old)
 
+    def wait_for_inputs(self, tensors: list[torch.Tensor]) -> None:
+        """For a unit with a frozen parameter: :meth:`arm` with ``tensors``; if none of them can be
+        armed in a forward that builds a graph (no non-leaf input requires grad), ``on_done``
+        waits for the end of the backward instead (the final callback ends the unit then)."""
+        armed = self._next_id
+        self.arm(tensors)
+        if self._next_id == armed and torch.is_grad_enabled() and not in_backward() and not functorch_active():
+            self._hold = True
+
     def forget_inputs(self) -> None:
         """Stop waiting for the inputs armed so far (their forward is over and had no backward)."""
         self._pending.clear()
+        self._hold = False
 
     def reset(self) -> None:
         """The backward pass is over: drop the input hooks and the counts."""
@@ -192,6 +209,7 @@ class PostBackwardGate:
             handle.remove()
         self._input_handles = []
         self._pending.clear()
+        self._hold = False
         self._task = -2
 
     def _begin(self) -> None:
@@ -217,6 +235,6 @@ class PostBackwardGate:
         self._maybe_done()
 
     def _maybe_done(self) -> None:
-        if self._ready and not self._pending and not self._done:
+        if self._ready and not self._pending and not self._done and not self._hold:
             self._done = True
             self._on_done()

@@ -268,7 +268,7 @@ class FSDPState:
             self.wait_unshard()
             args, kwargs = self._cast_inputs(args, kwargs)
             if self._has_frozen_params():
-                self.gate.arm(grad_tensors((args, kwargs)))
+                self.gate.wait_for_inputs(grad_tensors((args, kwargs)))
             return args, kwargs
         ctx = self.ctx
         if self.is_root:
@@ -289,10 +289,11 @@ class FSDPState:
         args, kwargs = self._cast_inputs(args, kwargs)
         if self._has_frozen_params():
             # A frozen parameter's gradient never marks the end of its uses: wait for the inputs'
-            # gradients too (units whose parameters are all frozen reshard on those alone). A unit
+            # gradients too (units whose parameters are all frozen reshard on those alone; without
+            # such inputs, for the end of the backward). A unit
             # whose parameters all train reshards when they all have their gradients, before the
             # previous unit's backward starts (and prefetches), as FSDP2 does. See autograd.py.
-            self.gate.arm(grad_tensors((args, kwargs)))
+            self.gate.wait_for_inputs(grad_tensors((args, kwargs)))
         elision.begin_forward(self)
         self._mark_compute_start()
         return args, kwargs

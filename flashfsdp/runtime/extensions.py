@@ -98,16 +98,19 @@ def refuse_subclass_params(groups, where: str, instead: str) -> None:
 
 
 def subclass_local(param: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank ``rank``'s chunk of a tensor-subclass parameter along dim 0 as FSDP2 makes it: a
-    zero-padded ``new_zeros`` of the padded chunk size (the same subclass), the rows copied in,
-    narrowed to this rank's rows (shape ``(rows, *param.shape[1:])``)."""
+    """Rank ``rank``'s chunk of a tensor-subclass parameter along dim 0 as FSDP2 makes it: the
+    subclass's own ``torch.chunk`` (``aten.split``), copied into a zero-padded ``new_zeros`` of the
+    padded chunk size (the same subclass) narrowed from row 0, and returned narrowed to this rank's
+    rows (shape ``(rows, *param.shape[1:])``). Only the ops FSDP2 uses are asked of the subclass:
+    torchao's ``NF4Tensor`` splits but cannot slice from a row other than 0."""
     rows = param.shape[0]
     k = -(-rows // world_size)
-    mine = max(0, min(k, rows - rank * k))
     with torch.no_grad():
+        chunks = torch.chunk(param.detach(), world_size, dim=0)
+        mine = chunks[rank].shape[0] if rank < len(chunks) else 0
         padded = param.detach().new_zeros((k, *param.shape[1:]))
         if mine:
-            padded.narrow(0, 0, mine).copy_(param.detach().narrow(0, rank * k, mine))
+            padded.narrow(0, 0, mine).copy_(chunks[rank])
     return padded.narrow(0, 0, mine)
 
 

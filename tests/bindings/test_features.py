@@ -83,6 +83,52 @@ def test_frozen_parameters_cost_no_gradient_communication_or_memory():
         assert sorted(r["rs_numels"]) == sorted(r["trainable_rs"] * 3)
 
 
+class _FrozenEmbeddingLoRAHead(nn.Module):
+    """A frozen embedding and a LoRA head in the root unit, a trainable block unit between them:
+    the root's forward input (token ids) requires no grad, and the head's frozen base weight is
+    read by the backward op that passes the gradient to the block after the LoRA factors'
+    gradients are accumulated (that branch of the sum was recorded later, so it runs first)."""
+
+    def __init__(self, d: int = 9):
+        super().__init__()
+        self.emb = nn.Embedding(11, d)
+        self.emb.requires_grad_(False)
+        self.block = nn.Linear(d, d)
+        self.head = LoRALinear(d)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.block(self.emb(tokens))))
+
+
+def _frozen_root(rank, world_size):
+    torch.manual_seed(0)
+    model = _FrozenEmbeddingLoRAHead()
+    ref = copy.deepcopy(model)
+    flashfsdp.fully_shard(model.block)
+    flashfsdp.fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        tokens = torch.randint(11, (4 * world_size, 5), generator=g)
+        for m, o, t in ((model, opt, local_rows(tokens, rank, world_size)), (ref, ref_opt, tokens)):
+            m(t).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    return gather_full_params(model), {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def test_unit_with_frozen_parameter_and_no_grad_input_reshards_at_the_end_of_backward():
+    """A unit holding a frozen parameter whose forward inputs require no grad (here the root,
+    under a frozen embedding) cannot tell from its inputs when the last op reading that parameter
+    has run: it reshards at the end of the backward (as FSDP2 ends it), not when its trainable
+    parameters have their gradients, so the head's frozen base weight is still there for the op
+    that passes the gradient on to the block, and training matches the unsharded model."""
+    for params, ref in run_distributed(_frozen_root, 2):
+        for name, value in ref.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _info_nce(rank, world_size):
     torch.manual_seed(0)
     encoder = nn.Linear(6, 4)

@@ -1,7 +1,7 @@
 """Client code run against torch's FSDP2 and against flashfsdp with only the import swapped.
 
 Every test in this directory runs code the way a client library or a training script writes it
-(nanoGPT, torchtitan, PEFT, Lightning Fabric, a transformers Mixtral) on W = 2 gloo ranks, once with
+(nanoGPT, torchtitan, PEFT, Lightning Fabric, a transformers Mixtral, torchao) on W = 2 gloo ranks, once with
 ``torch.distributed.fsdp`` and once with ``flashfsdp`` as the FSDP2 module, on the same seeds.
 A test is parametrised by :data:`IMPLS`: its ``torch`` case checks torch's FSDP2 against the
 contract below and against an unsharded reference (so the test itself is shown to hold, and able
