@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.common_fsdp import MLP, MLPStack
-from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer, TransformerBlock
+from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 from tests.fsdp2_suite.common import FP32, average_grads, rank_seed
 from tests.fsdp2_suite.runner import CaseSet
@@ -135,18 +135,13 @@ def train_parity_2d_mlp(rank, world_size, impl):
 def _train_parity_2d_transformer(impl, use_seq_parallel: bool) -> list:
     """Upstream's ``_test_train_parity_2d_transformer`` (compile off)."""
     mesh = mesh_2d()
-    dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+    dp_mesh = mesh["dp"]
     torch.manual_seed(42)
     model_args = ModelArgs(n_layers=2, dropout_p=0.0)
     model = Transformer(model_args)
     ref_model = copy.deepcopy(model)
     ref_optim = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
-    # (local outputs for attention: DTensor has no CPU SDPA strategy)
-    model = Transformer.parallelize(model, tp_mesh, use_seq_parallel, local_output_for_attn=True)
-    for module in model.modules():
-        if isinstance(module, TransformerBlock):
-            impl.fully_shard(module, mesh=dp_mesh)
-    impl.fully_shard(model, mesh=dp_mesh)
+    model = _parallelize_transformer(impl, model, mesh, use_seq_parallel)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(42 + dp_mesh.get_local_rank() + 1)
     tol = {"rtol": 1e-5, "atol": 1e-4}
@@ -189,6 +184,100 @@ def tp_with_fsdp_offloading(rank, world_size, impl):
     optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
     inp = torch.randn((4, 16))  # the same on all ranks
     return [parity_step(impl, (ref_model, ref_optim), (model, optim), inp, i, FP32) for i in range(3)]
+
+
+def _parallelize_transformer(impl, model: Transformer, mesh, use_seq_parallel: bool) -> Transformer:
+    # (local outputs for attention: DTensor has no CPU SDPA strategy)
+    model = Transformer.parallelize(model, mesh["tp"], use_seq_parallel, local_output_for_attn=True)
+    for layer in model.layers:
+        impl.fully_shard(layer, mesh=mesh["dp"])
+    impl.fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _checkpoint_resume(impl, use_seq_parallel: bool, reuse_model_optim: bool, tmp: str) -> list:
+    """Upstream's ``_test_train_parity_2d_transformer_checkpoint_resume`` (Adam, foreach off)."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # noqa: PLC0415
+
+    def train_step(_model, _optim, _inp):
+        loss = _model(_inp).sum()
+        loss.backward()
+        _optim.step()
+        _optim.zero_grad()
+        return loss.detach()
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = _parallelize_transformer(impl, Transformer(model_args), mesh, use_seq_parallel)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+
+    mesh = mesh_2d()
+    model_args = ModelArgs(n_layers=2, dropout_p=0.0)
+    model_no_cp, optim_no_cp = build(42)
+    torch.manual_seed(42 + mesh["dp"].get_local_rank() + 1)
+    inp = torch.randint(0, model_args.vocab_size, (2, 16))
+    losses_no_cp = [train_step(model_no_cp, optim_no_cp, inp) for _ in range(2)]
+    model_cp, optim_cp = build(42)
+    loss_cp1 = train_step(model_cp, optim_cp, inp)
+    torch.testing.assert_close(loss_cp1, losses_no_cp[0])
+    sharded_sd = {"model": get_model_state_dict(model_cp), "optim": get_optimizer_state_dict(model_cp, optim_cp)}
+    record_sd(impl, "checkpoint", sharded_sd)
+    dcp.save(state_dict=sharded_sd, storage_writer=dcp.FileSystemWriter(tmp))
+    if reuse_model_optim:
+        with torch.no_grad():
+            for param in model_cp.parameters():
+                param.zero_()
+            for param_states in optim_cp.state_dict()["state"].values():
+                for value in param_states.values():
+                    if torch.is_tensor(value):
+                        value.zero_()
+    else:
+        model_cp, optim_cp = build(43)
+    assert not torch.equal(losses_no_cp[1], train_step(model_cp, optim_cp, inp))
+    sharded_sd = {"model": get_model_state_dict(model_cp), "optim": get_optimizer_state_dict(model_cp, optim_cp)}
+    dcp.load(state_dict=sharded_sd, storage_reader=dcp.FileSystemReader(tmp))
+    assert len(optim_cp.state_dict()["state"]) > 0
+    loss_cp2 = train_step(model_cp, optim_cp, inp)
+    torch.testing.assert_close(loss_cp2, losses_no_cp[1])
+    return [loss_cp1, loss_cp2]
+
+
+@cases.case(4, atol=1e-4)
+def train_parity_2d_transformer_checkpoint_resume(rank, world_size, impl):
+    """Upstream: test_fully_shard_training.py::TestFullyShard2DTraining::test_train_parity_2d_transformer_checkpoint_resume.
+
+    Two of upstream's subtests (Adam, foreach off): (no sequence parallelism, the model and
+    optimizer zeroed and reused) and (sequence parallelism, a new model and optimizer from another
+    seed); 2 layers. Two steps without a checkpoint equal one step, a DCP save of DSD's model and
+    optimizer state dicts, a step that diverges, a DCP load into them, and the second step."""
+    out = []
+    for use_seq_parallel, reuse in ((False, True), (True, False)):
+        with shared_tmpdir() as tmp:
+            out += _checkpoint_resume(impl, use_seq_parallel, reuse, tmp)
+    return out
+
+
+@cases.case(4, rtol=1e-3, atol=1e-3)
+def train_2d_mlp_mixed_precision(rank, world_size, impl):
+    """(No upstream counterpart.) The 2-D MLPStack with ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)``: the unsharded TP parameters are bf16 DTensors, the sharded ones and
+    their gradients fp32; 3 Adam steps, losses and parameters compared with torch's."""
+    mesh = mesh_2d()
+    torch.manual_seed(42)
+    mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize_mlp_stack(impl, MLPStack(16), mesh["tp"], mesh["dp"], mp_policy=mp)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + mesh["dp"].get_local_rank() + 1)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(8, 16)).sum()
+        loss.backward()
+        record_params(impl, "bf16 step", model)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach().float())
+    return {"losses": losses, "params": [p.to_local().detach().clone() for p in model.parameters()]}
 
 
 # ============================================================================ TestFullyShardHSDP3DTraining
@@ -250,6 +339,44 @@ def shard_dtensor_parameters(rank, world_size, impl):
             assert_equal(local, want, f"{name} local")
             out.append(local.detach().clone())
     return out
+
+@cases.case(4)
+def init_2d_transformer_shard_diff_dim(rank, world_size, impl):
+    """Upstream: test_fully_shard_init.py::TestFullyShardShardPlacementFn::test_init_2d_transformer_shard_diff_dim.
+
+    The transformer (3 layers) parallelized on the TP mesh, then fully_shard'ed on the DP mesh with
+    a ``shard_placement_fn`` that shards each TP-sharded parameter along the other dim (``Shard(0)``
+    otherwise): the parameters' placements (``Shard(1)`` / ``_StridedShard(1, ...)`` on the DP
+    dim) are torch's and their full tensors the unsharded model's; one training step agrees."""
+    from torch.distributed.tensor import Shard as ShardPlacement  # noqa: PLC0415
+
+    mesh = mesh_2d()
+    torch.manual_seed(42)
+    model_args = ModelArgs(n_layers=3, dropout_p=0.0)
+    model = Transformer(model_args)
+    ref_model = copy.deepcopy(model)
+    model = Transformer.parallelize(model, mesh["tp"], use_seq_parallel=False, local_output_for_attn=True)
+
+    def shard_placement_fn(param: nn.Parameter):
+        if isinstance(param, DTensor):
+            for placement in param.placements:
+                if isinstance(placement, ShardPlacement):
+                    return ShardPlacement(param.ndim - 1 - placement.dim)
+        return ShardPlacement(0)
+
+    for layer in model.layers:
+        impl.fully_shard(layer, mesh=mesh["dp"], shard_placement_fn=shard_placement_fn)
+    impl.fully_shard(model, mesh=mesh["dp"], shard_placement_fn=shard_placement_fn)
+    impl.record_types("sharded", {n: p for n, p in model.named_parameters()})
+    for (name, param), (ref_name, ref_param) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert name == ref_name, f"{name} vs {ref_name}"
+        assert_equal(param.full_tensor(), ref_param, name)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + mesh["dp"].get_local_rank() + 1)
+    inp = torch.randint(0, model_args.vocab_size, (2, 16))
+    return [parity_step(impl, (ref_model, ref_optim), (model, optim), inp, 0, {"rtol": 1e-5, "atol": 1e-4})]
+
 
 @cases.case(4)
 def meta_device_2d_init(rank, world_size, impl):
