@@ -129,10 +129,6 @@ class ShardingSpec:
         """The tensor the unit shards, of a value of the global shape: ``full``."""
         return full
 
-    def full_of_local(self, local_full: torch.Tensor) -> torch.Tensor:
-        """The global value of a gathered tensor the unit sharded: ``local_full``."""
-        return local_full
-
     def __repr__(self) -> str:
         if self.mesh is None:
             return "ShardingSpec(plain tensors)"

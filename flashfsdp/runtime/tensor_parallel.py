@@ -71,6 +71,9 @@ class TensorParallelSpec(ShardingSpec):
             raise NotImplementedError(
                 f"fully_shard: parameter '{fqn}' is a tensor-parallel DTensor, which needs DeviceMesh._concatenate "
                 f"and _StridedShard (torch >= 2.9)")
+        if tp.mesh.device_type != dp.mesh.device_type:
+            raise ValueError(f"fully_shard: parameter '{fqn}' lives on a '{tp.mesh.device_type}' mesh, the fully_shard "
+                             f"mesh is '{dp.mesh.device_type}'; build both from one mesh")
         try:
             if tp.mesh.mesh_dim_names is None or dp.mesh.mesh_dim_names is None:
                 raise ValueError("both must be named dims of one DeviceMesh")
@@ -82,9 +85,6 @@ class TensorParallelSpec(ShardingSpec):
                 f"{dp.mesh.mesh_dim_names}): {exc}. Build both from one mesh, e.g. mesh = init_device_mesh(device, "
                 f"(dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(..., mesh['tp']); "
                 f"fully_shard(..., mesh=mesh['dp'])") from exc
-        if mesh.device_type != dp.mesh.device_type:
-            raise ValueError(f"fully_shard: parameter '{fqn}' lives on a '{tp.mesh.device_type}' mesh, the fully_shard "
-                             f"mesh is '{dp.mesh.device_type}'; build both from one mesh")
         super().__init__(mesh, tuple(dp.placements) + tuple(tp.placements))
         self.dp, self.tp = dp, tp
         self.global_shape = tuple(tp.tensor_meta.shape)
@@ -133,10 +133,6 @@ class TensorParallelSpec(ShardingSpec):
                 start = min(coordinate * rows, d)
                 full = full.narrow(p.dim, start, max(0, min(rows, d - start)))
         return full
-
-    def full_of_local(self, local_full: torch.Tensor) -> torch.Tensor:
-        """The TP global value of the TP-local tensor ``local_full`` (collective over the TP mesh)."""
-        return self._unsharded.wrap(local_full.contiguous(), self.global_shape).full_tensor()
 
 
 def tensor_parallel_specs(dp: ShardingSpec, params: Sequence[torch.Tensor], fqns: Sequence[str]
