@@ -616,8 +616,10 @@ def dp_tp_state_dict_dcp_reshard(rank, world_size, impl):
 def tensor_parallel_refusals(rank, world_size, impl):
     """What tensor parallelism is not supported with is refused at fully_shard, naming the
     parameter: a TP mesh that overlaps the DP mesh (one over all the ranks, or the DP mesh itself)
-    rather than being its sibling dim, no mesh at all, a TP placement other than Shard/Replicate, and
-    ``reshard_after_forward=<int>`` (as FSDP2, which refuses it in its post-forward reshard)."""
+    rather than being its sibling dim, no mesh at all, a TP placement other than Shard/Replicate,
+    ``reshard_after_forward=<int>`` (as FSDP2, which refuses it in its post-forward reshard), a TP
+    parameter whose local tensor defines FSDP2's all-gather extensions, and the full state dicts
+    gathered over the DP ranks only."""
     from torch.distributed.tensor import Partial  # noqa: PLC0415
 
     mesh = mesh_2d()
@@ -638,6 +640,13 @@ def tensor_parallel_refusals(rank, world_size, impl):
     partial = nn.Linear(4, 4)
     partial.weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()]))
     assert_raises(NotImplementedError, lambda: impl.fully_shard(partial, mesh=mesh["dp"]), "'weight'", "Partial")
+    from tests.fsdp2_suite.test_extensions import BFloat16AllGatherTensor  # noqa: PLC0415
+
+    extension = nn.Linear(4, 4)
+    local = BFloat16AllGatherTensor(torch.ones(2, 4))
+    extension.weight = nn.Parameter(DTensor.from_local(local, mesh["tp"], [Shard(0)], run_check=False))
+    assert_raises(NotImplementedError, lambda: impl.fully_shard(extension, mesh=mesh["dp"]), "'weight'",
+                  "fsdp_pre_all_gather", "tensor parallelism")
     model = impl.fully_shard(tp_mlp(mesh["tp"]), mesh=mesh["dp"])
     import flashfsdp  # noqa: PLC0415
 
