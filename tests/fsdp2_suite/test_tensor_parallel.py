@@ -280,6 +280,46 @@ def train_2d_mlp_mixed_precision(rank, world_size, impl):
     return {"losses": losses, "params": [p.to_local().detach().clone() for p in model.parameters()]}
 
 
+@cases.case(4, atol=1e-4)
+def grad_acc_2d_seq_parallel(rank, world_size, impl):
+    """(No upstream 2-D counterpart; test_fully_shard_grad_acc.py's pattern.) The 2-D MLPStack with
+    sequence parallelism, 2 micro-batches per step with gradient sync on the last only, and the
+    unsharded parameters seen inside forward (a forward pre-hook logs their types: DTensors on
+    the TP mesh with the TP placements, as torch's): the accumulated gradients (the norm's
+    ``Partial`` ones too) equal the reference's, twice (``zero_grad`` between, no optimizer step:
+    after one, this model's next gradients differ from the reference's by up to 4e-4 relative,
+    with torch's fully_shard as with flashfsdp's)."""
+    mesh = mesh_2d()
+    torch.manual_seed(42)
+    model = MLPStack(16, with_seq_parallel=True)
+    ref_model = copy.deepcopy(model)
+    parallelize_mlp_stack(impl, model, mesh["tp"], mesh["dp"], reshard_after_forward=True)
+    seen = []
+    for module in (model[0].in_proj, model[2].out_proj, model[3]):
+        module.register_forward_pre_hook(lambda m, args: seen.append(dict(m.named_parameters())))
+    torch.manual_seed(42 + mesh["dp"].get_local_rank() + 1)
+    losses = []
+    for step in range(2):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            inp = torch.randn(2, 4, 16)  # (batch, sequence, features): SP shards the sequence
+            ref_model(inp).pow(2).sum().backward()
+            loss = model(inp).pow(2).sum()  # (squared: a plain sum's gradient through a LayerNorm is ~0)
+            loss.backward()
+            losses.append(loss.detach().full_tensor())  # (a DTensor: the output is sequence-sharded)
+        average_grads(ref_model)
+        record_params(impl, "accumulated", model)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref_model.get_parameter(name).grad, rtol=1e-5, atol=1e-4,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}.grad: {m}")
+        model.zero_grad()
+        ref_model.zero_grad()
+    for i, params in enumerate(seen[:3]):
+        impl.record_types(f"unsharded in forward {i}", params)
+        assert all(isinstance(p, DTensor) and p.device_mesh == mesh["tp"] for p in params.values()), params
+    return losses
+
+
 # ============================================================================ TestFullyShardHSDP3DTraining
 @cases.case(4)
 def hsdp_3d_mlp_with_nd_mesh(rank, world_size, impl):
