@@ -320,6 +320,34 @@ def grad_acc_2d_seq_parallel(rank, world_size, impl):
     return losses
 
 
+@cases.case(4)
+def to_float64_after_init_2d(rank, world_size, impl):
+    """(test_fully_shard_training.py::TestFullyShardCastAfterInit::test_to_float64_after_init on the
+    2-D mesh.) ``model.to(torch.float64)`` after fully_shard (with
+    ``swap_module_params_on_conversion``, as upstream): the parameters stay DTensors of their
+    placements on the (dp, tp) mesh, float64 locals included, and train as the float64 reference
+    (2 steps)."""
+    prev_swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        mesh = mesh_2d()
+        torch.manual_seed(42)
+        model = MLPStack(8)
+        ref_model = copy.deepcopy(model).to(torch.float64)
+        parallelize_mlp_stack(impl, model, mesh["tp"], mesh["dp"])
+        model.to(torch.float64)
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float64 and p.to_local().dtype == torch.float64, name
+            assert p.device_mesh == mesh, name
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2, foreach=False)
+        torch.manual_seed(42 + mesh["dp"].get_local_rank() + 1)
+        return [parity_step(impl, (ref_model, ref_optim), (model, optim), torch.randn(4, 8, dtype=torch.float64), i,
+                            FP32) for i in range(2)]
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(prev_swap)
+
+
 # ============================================================================ TestFullyShardHSDP3DTraining
 @cases.case(4)
 def hsdp_3d_mlp_with_nd_mesh(rank, world_size, impl):
