@@ -16,6 +16,7 @@ from torch import nn
 
 from flashfsdp.runtime.layout import ShardLayout, align_elements
 from flashfsdp.runtime.quantized_gather import group_all_gather_nbytes
+from flashfsdp.runtime.sharding_spec import local_of
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def unit_spec(name: str, params: Sequence[torch.Tensor], world_size: int, param_
     """The flat groups ``ShardedUnit`` makes of ``params`` (see ``runtime/unit.py``)."""
     keys: dict[tuple[torch.dtype, bool], list[tuple[int, ...]]] = {}
     for p in params:
-        keys.setdefault((p.dtype, p.requires_grad), []).append(tuple(p.shape) or (1,))
+        # (a tensor-parallel DTensor: the unit shards its TP-local tensor, ``runtime/tensor_parallel.py``)
+        keys.setdefault((p.dtype, p.requires_grad), []).append(tuple(local_of(p).shape) or (1,))
     groups = []
     for (dtype, trainable), shapes in keys.items():
         pdt = param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype

@@ -103,3 +103,25 @@ def test_estimate_matches_runtime_holdings_at_two_ranks():
 def test_estimate_matches_runtime_holdings_with_post_forward_groups_at_four_ranks():
     cases = [("bf16", 2), ("bf16-int8", 2)]
     _check(cases, run_distributed(_cases, 4, cases), 4)
+
+
+def _tensor_parallel_layout(rank: int, world_size: int) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: PLC0415
+    from torch.testing._internal.common_fsdp import MLP  # noqa: PLC0415
+
+    from flashfsdp.estimate.units import unit_spec  # noqa: PLC0415
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(MLP(6, dim_multiplier=3), mesh["tp"],
+                               {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
+    estimated = unit_spec("mlp", list(model.parameters()), 1, None, None).groups[0].layout.shapes
+    flashfsdp.fully_shard(model, mesh=mesh["dp"])
+    return estimated, unit_of(next(model.parameters())).groups[0].layout.shapes
+
+
+def test_tensor_parallel_parameters_are_estimated_as_the_runtime_shards_them():
+    """A parallelize_module'd model's units shard the TP-local tensors: the estimate's layout is
+    the runtime's, not one of the TP global shapes."""
+    for estimated, runtime in run_distributed(_tensor_parallel_layout, 2):
+        assert estimated == runtime == ((9, 6), (9,), (6, 9), (6,)), (estimated, runtime)
