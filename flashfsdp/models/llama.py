@@ -247,21 +247,23 @@ class Attention(nn.Module):
             self.rope_inv_freq.copy_(rotary_inv_freq(self.head_dim, self.rope_theta))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
+        batch, seq, _ = x.shape
         if seq > self.max_seq_len:
             raise ValueError(
                 f"sequence length {seq} exceeds max_seq_len {self.max_seq_len}; "
                 "crop the input or build the model with a larger max_seq_len"
             )
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k, v = (w(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
+        # -1 heads: all of them, or under tensor parallelism this rank's n_heads / tp (its
+        # column shards of wq/wk/wv, `flashfsdp.models.tp_plan`).
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
         cos, sin = rotary_cos_sin(self.rope_inv_freq, seq)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Grouped-query attention (a K/V head per group of query heads) inside SDPA, as transformers
         # calls it without a mask; the scale as transformers passes it.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5,
                                              enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
