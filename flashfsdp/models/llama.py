@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @dataclasses.dataclass
@@ -146,6 +147,17 @@ def config_from_preset(name: str, **overrides) -> LlamaConfig:
         base["ffn_dim"] = None
     base.update(overrides)
     return LlamaConfig(**base)
+
+
+def _placed_like(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` (the full value of `param`, on the CPU) in the form `param.copy_` takes: as they
+    are for a plain parameter (and inside flashfsdp's init window, which initialises DTensor
+    parameters through full-shape stand-ins), or this rank's pieces of them as a DTensor of
+    `param`'s mesh and placements for a DTensor parameter (tensor parallelism, torch's FSDP2).
+    Every rank holds the same full values, so no collective is needed."""
+    if type(param) is not DTensor:
+        return values
+    return distribute_tensor(values.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
 
 
 class RMSNorm(nn.Module):
@@ -347,7 +359,8 @@ class Llama(nn.Module):
         drawn on the CPU from a generator seeded with `seed`, then copied to each parameter's
         device, so a model built on the meta device and `to_empty`'d gets the same weights (the
         tied output projection is re-tied first). Call it before sharding, or after ``fully_shard``
-        and ``to_empty`` (flashfsdp's init window gives the same values).
+        and ``to_empty`` (flashfsdp's init window gives the same values), or on DTensor parameters
+        (tensor parallelism, `flashfsdp.models.tp_plan`; torch's FSDP2), each rank keeping its pieces.
         """
         self.tie_weights()
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -364,7 +377,7 @@ class Llama(nn.Module):
                 seen.add(id(module.weight))
                 std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else 0.02
                 values = torch.empty(module.weight.shape).normal_(0.0, std, generator=gen)
-                module.weight.copy_(values)
+                module.weight.copy_(_placed_like(module.weight, values))
 
     def num_params(self) -> int:
         """Number of distinct parameter elements (a tied matrix counted once), unsharded."""

@@ -81,12 +81,14 @@ def _dp_tp(rank: int, world_size: int) -> dict:
 
     reference, ref_loss, ref_grads = _reference(tie=True)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = copy.deepcopy(reference)
-    model.zero_grad(set_to_none=True)
+    with torch.device("meta"):  # built, parallelised and sharded on the meta device, then initialised
+        model = Llama(reference.config)
     parallelize_llama_tp(model, mesh["tp"])
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    model.init_weights(0)
     dp = mesh["dp"].get_local_rank()
     rows = _tokens().chunk(2)[dp]  # one TP group: the same rows; the dp ranks: halves of the batch
     loss = _loss(model, rows)
@@ -96,7 +98,7 @@ def _dp_tp(rank: int, world_size: int) -> dict:
             "placements": _placements(model)}
 
 
-def test_2x2_dp_tp_under_torch_fsdp2_gives_the_unsharded_gradients():
+def test_2x2_dp_tp_under_torch_fsdp2_initialises_and_gives_the_unsharded_gradients():
     results = run_distributed(_dp_tp, 4)
     for r in results:
         assert r["loss"] == pytest.approx(r["ref_local"], rel=1e-5)
