@@ -58,6 +58,7 @@ def test_help_is_grouped_by_the_config_sections():
     (["--reshard-after-forward", "maybe"], "argument --reshard-after-forward: give true, false, default or a number"),
     (["--reshard-after-forward", "-1"], "--reshard-after-forward must be true, false or a positive integer, got -1"),
     (["--param-dtype", "fp8"], "argument --param-dtype: invalid choice: 'fp8'"),
+    (["--tp", "0"], "--tp must be positive, got 0"),
     (["export", "--out", "run"], "the following arguments are required: --to"),
 ])
 def test_usage_errors_are_one_line_before_torch(argv, message):
