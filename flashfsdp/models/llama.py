@@ -317,7 +317,13 @@ class Llama(nn.Module):
 
     Construct, then call `init_weights(seed)` for the deterministic initialisation used in
     training (the constructor's own PyTorch default init is not the training init).
+
+    Attributes:
+        seq_multiple: the sequence lengths the model takes are multiples of it: 1, or the TP
+            degree under sequence parallelism (`flashfsdp.models.tp_plan` sets it).
     """
+
+    seq_multiple: int = 1
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -338,12 +344,19 @@ class Llama(nn.Module):
         """Logits for every position.
 
         Args:
-            tokens: int64 (batch, seq) ids in [0, vocab_size), seq ≤ config.max_seq_len.
+            tokens: int64 (batch, seq) ids in [0, vocab_size), seq ≤ config.max_seq_len and a
+                multiple of `seq_multiple`.
 
         Returns:
             (batch, seq, vocab_size) logits in the parameters' (compute) dtype; position t
             depends only on tokens[:, :t+1].
+
+        Raises:
+            ValueError: seq not a multiple of `seq_multiple` (sequence parallelism cuts it evenly).
         """
+        if tokens.shape[-1] % self.seq_multiple:
+            raise ValueError(f"sequence length {tokens.shape[-1]} is not a multiple of {self.seq_multiple}, the "
+                             "tensor-parallel degree: sequence parallelism cuts the sequence evenly; pad or crop it")
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
@@ -383,6 +396,18 @@ class Llama(nn.Module):
         """Number of distinct parameter elements (a tied matrix counted once), unsharded."""
         return sum(p.numel() for p in self.parameters())
 
+    def _last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, vocab_size) logits of the position after the last of `tokens`, from the last
+        tokens that fit the model, right-padded to a multiple of `seq_multiple` (positions are
+        causal: the padding after the last token does not change its logits)."""
+        m = self.seq_multiple
+        context = tokens[:, -(self.config.max_seq_len - self.config.max_seq_len % m):]
+        length = context.shape[1]
+        pad = -length % m
+        if pad:
+            context = torch.cat((context, context[:, -1:].expand(-1, pad)), dim=1)
+        return self(context)[:, length - 1, :]
+
     @torch.no_grad()
     def generate(
         self,
@@ -401,7 +426,8 @@ class Llama(nn.Module):
 
         Args:
             tokens: int64 (batch, prompt_len) prompt ids, prompt_len ≥ 1; the context fed to
-                the model is cropped to the last `config.max_seq_len` tokens.
+                the model is cropped to the last `config.max_seq_len` tokens (rounded down to a
+                multiple of `seq_multiple`, and right-padded to one).
             max_new_tokens: tokens to append (≥ 0).
             temperature: softmax temperature > 0; 0 means greedy (argmax).
             top_k: keep only the k most likely tokens before sampling (None: all).
@@ -420,8 +446,7 @@ class Llama(nn.Module):
         if top_k is not None and top_k < 1:
             raise ValueError(f"generate: top_k must be ≥ 1 or None, got {top_k}")
         for _ in range(max_new_tokens):
-            context = tokens[:, -self.config.max_seq_len:]
-            logits = self(context)[:, -1, :].float().cpu()
+            logits = self._last_logits(tokens).float().cpu()
             if temperature == 0:
                 next_token = logits.argmax(-1, keepdim=True)
             else:

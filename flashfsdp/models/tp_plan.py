@@ -26,22 +26,26 @@ from torch.distributed.tensor.parallel import (
 from flashfsdp.models.llama import Llama, LlamaConfig
 
 
-def check_tp_degree(config: LlamaConfig, tp: int, option: str = "tp") -> None:
+def check_tp_degree(config: LlamaConfig, tp: int, option: str = "tp", sequence_parallel: bool = True) -> None:
     """Check that `config` splits over `tp` tensor-parallel ranks.
 
     Args:
         config: the model's shape.
         tp: the TP degree (ranks of one TP group).
         option: the name given in the messages (a command line says "--tp").
+        sequence_parallel: also check `max_seq_len`, which sequence parallelism cuts evenly.
 
     Raises:
-        ValueError: `tp` < 1, or `n_heads`, the key/value heads or `ffn_dim` not divisible by
-            `tp` (the message names `option` and the field).
+        ValueError: `tp` < 1, or `n_heads`, the key/value heads, `ffn_dim` or (with
+            `sequence_parallel`) `max_seq_len` not divisible by `tp` (the message names `option`
+            and the field).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"{option} must be a positive integer, got {tp!r}")
-    for field, value in (("n_heads", config.n_heads), ("n_kv_heads", config.kv_heads),
-                         ("ffn_dim", config.ffn_dim)):
+    fields = [("n_heads", config.n_heads), ("n_kv_heads", config.kv_heads), ("ffn_dim", config.ffn_dim)]
+    if sequence_parallel:
+        fields.append(("max_seq_len", config.max_seq_len))
+    for field, value in fields:
         if value % tp:
             raise ValueError(f"{option} {tp} does not divide the model's {field} ({value}); "
                              f"give a {option} that divides {field}")
@@ -59,7 +63,8 @@ def parallelize_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sequence_parallel
     Shapes: the model still maps int64 tokens (batch, seq), the same on every TP rank, to logits
     (batch, seq, vocab_size): a plain tensor (full logits), or with `loss_parallel` a DTensor
     `Shard(-1)` over the vocabulary for `torch.distributed.tensor.parallel.loss_parallel()`.
-    With `sequence_parallel`, seq is cut over the TP ranks between the blocks (`Shard(1)`).
+    With `sequence_parallel`, seq is cut over the TP ranks between the blocks (`Shard(1)`): it
+    must be a multiple of the TP degree (`model.seq_multiple` says it; `generate` pads to it).
 
     Args:
         model: a `Llama` (on the meta device or materialised, identical on every TP rank).
@@ -71,13 +76,13 @@ def parallelize_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sequence_parallel
         `model`.
 
     Raises:
-        ValueError: `tp_mesh` not 1-D, or the model's heads or hidden width not divisible by
-            its size (`check_tp_degree`).
+        ValueError: `tp_mesh` not 1-D, or the model's heads, hidden width or (with
+            `sequence_parallel`) max_seq_len not divisible by its size (`check_tp_degree`).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"parallelize_llama_tp: tp_mesh must be 1-D, got a {tp_mesh.ndim}-D mesh; "
                          "pass mesh['tp'] of a (dp, tp) mesh")
-    check_tp_degree(model.config, tp_mesh.size(), "tp_mesh.size()")
+    check_tp_degree(model.config, tp_mesh.size(), "tp_mesh.size()", sequence_parallel)
     seq = Shard(1) if sequence_parallel else Replicate()
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -89,6 +94,8 @@ def parallelize_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sequence_parallel
     parallelize_module(model, tp_mesh, root_plan)
     if model.config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # both Shard(0) over the vocabulary
+    if sequence_parallel:
+        model.seq_multiple = tp_mesh.size()
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
     return model

@@ -1,5 +1,5 @@
 """`flashfsdp-train --tp`: the option and TOML key, and the checks that name it: the world size,
-the model's heads (the key/value heads and feed-forward width: tests/train/test_tp_plan.py), the
+the model's heads and sequence length (the key/value heads and feed-forward width: tests/train/test_tp_plan.py), the
 batch over the data-parallel ranks."""
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ def test_tp_is_a_sharding_option_and_defaults_to_1(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "--tp 3 does not divide the model's n_heads (4)"),
+    (["--tp", "2", "--seq-len", "17"], "--tp 2 does not divide the model's max_seq_len (17)"),
     (["--tp", "2", "--heads", "2", "--dim", "64"], None),
 ])
-def test_tp_must_divide_the_heads(tmp_path, argv, message):
+def test_tp_must_divide_the_heads_and_the_sequence(tmp_path, argv, message):
     args = [*argv, "--out", str(tmp_path), "--device", "cpu"]
     if message is None:
         assert TrainConfig.from_argv(args).sharding.tp == 2

@@ -53,7 +53,15 @@ def _pure_tp(rank: int, world_size: int, tie: bool, sequence_parallel: bool) -> 
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
     errors = {n: float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads}
     wq = model.layers[0].attention.wq.weight
-    return {"loss": float(loss.detach()), "ref_loss": float(ref_loss), "errors": errors, "placements": _placements(model),
+    prompt = _tokens()[:2, :3]  # 3 tokens, then 1 more each step: padded to even lengths under SP
+    with torch.no_grad():
+        generated = torch.equal(model.generate(prompt, 3, temperature=0), reference.generate(prompt, 3, temperature=0))
+        try:
+            model(prompt)
+            odd = "accepted"
+        except ValueError as err:
+            odd = str(err)
+    return {"generated": generated, "odd": odd,"loss": float(loss.detach()), "ref_loss": float(ref_loss), "errors": errors, "placements": _placements(model),
             "wq_local": tuple(wq.to_local().shape), "tied": model.output.weight is model.tok_embeddings.weight}
 
 
@@ -64,7 +72,8 @@ def test_two_tp_ranks_give_the_unsharded_loss_and_gradients(tie, sequence_parall
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
         assert max(r["errors"].values()) < 1e-5, r["errors"]
         assert r["wq_local"] == (CONFIG.dim // 2, CONFIG.dim)
-        assert r["tied"] == tie
+        assert r["tied"] == tie and r["generated"]
+        assert ("is not a multiple of 2" in r["odd"]) if sequence_parallel else r["odd"] == "accepted"
     placements = results[0]["placements"]
     for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
         assert placements[f"layers.0.{name}.weight"] == ("Shard(dim=0)",), name
