@@ -26,6 +26,32 @@ from torch.distributed.tensor.parallel import (
 from flashfsdp.models.llama import Llama, LlamaConfig
 
 
+# The dim each weight is split along over the TP ranks: column-parallel projections and the
+# embedding's vocabulary rows 0, row-parallel projections 1 (input features). The RMSNorm weights
+# (and anything else) stay whole: replicated over the TP ranks.
+BLOCK_SHARD_DIMS = {"attention.wq": 0, "attention.wk": 0, "attention.wv": 0, "attention.wo": 1,
+                    "feed_forward.w1": 0, "feed_forward.w2": 1, "feed_forward.w3": 0}
+ROOT_SHARD_DIMS = {"tok_embeddings": 0, "output": 0}
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[tuple[int, ...], bool]:
+    """The shape of the piece of parameter `name` (as `Llama.named_parameters` names it, e.g.
+    "layers.0.attention.wq.weight") that the busiest of `tp` TP ranks holds under the plan, and
+    whether the plan splits it (False: replicated over the TP ranks).
+
+    Shapes: `shape` is the full (global) shape; the split dim becomes ceil(d / tp), as
+    `torch.chunk` cuts it for a DTensor's `Shard`.
+    """
+    module = name.rsplit(".", 1)[0]
+    block_module = module.split(".", 2)[2] if module.startswith("layers.") else None
+    dim = BLOCK_SHARD_DIMS.get(block_module) if block_module is not None else ROOT_SHARD_DIMS.get(module)
+    if dim is None or tp == 1:
+        return tuple(shape), dim is not None
+    local = list(shape)
+    local[dim] = -(-local[dim] // tp)
+    return tuple(local), True
+
+
 def check_tp_degree(config: LlamaConfig, tp: int, option: str = "tp", sequence_parallel: bool = True) -> None:
     """Check that `config` splits over `tp` tensor-parallel ranks.
 
@@ -106,15 +132,10 @@ def _block_plan(sequence_parallel: bool) -> dict[str, nn.Module]:
     seq = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=seq),
         "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        "feed_forward.w3": ColwiseParallel(),
     }
+    for name, dim in BLOCK_SHARD_DIMS.items():
+        plan[name] = ColwiseParallel() if dim == 0 else RowwiseParallel(output_layouts=seq)
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
