@@ -166,6 +166,10 @@ wrap_module_cls_individually = private("torch.distributed.fsdp.wrap", "_wrap_mod
 sync_params_and_buffers = private("torch.distributed.utils", "_sync_params_and_buffers")  # fsdp1/module_init.py
 set_element = private("torch.distributed.checkpoint._traverse", "set_element")  # checkpoint/safe_metadata.py
 flatten_state_dict = private("torch.distributed.checkpoint._nested_dict", "flatten_state_dict")  # checkpoint/matching.py
+# runtime/tensor_parallel.py: a tensor-parallel parameter's sharded DTensor lives on the DP mesh and its
+# TP mesh joined (FSDP2's _spmd_mesh), placed _StridedShard along a dim TP shards too (FSDP2's placements).
+concatenate_meshes = optional_private("torch.distributed.device_mesh", "DeviceMesh._concatenate")  # (device_mesh_list)
+StridedShard = optional_private("torch.distributed.tensor.placement_types", "_StridedShard")  # (dim, *, split_factor)
 
 
 # ------------------------------------------------------------------------------------- DTensor

@@ -38,6 +38,8 @@ SIGNATURES = {
     "sync_params_and_buffers": ["process_group", "module_states", "broadcast_bucket_size", "src"],
     "set_element": ["root_dict", "path", "value"],
     "flatten_state_dict": ["state_dict"],
+    "concatenate_meshes": ["device_mesh_list"],
+    "StridedShard": ["dim", "split_factor", "sf"],
 }
 # Built-ins (no Python signature) and classes: checked by behaviour below.
 BEHAVIOUR = {

@@ -14,12 +14,11 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from flashfsdp.kernels.validation import SUPPORTED_DTYPES
 from flashfsdp.runtime.comm_factory import KINDS, default_group, register_siblings
 from flashfsdp.runtime.communicator import Communicator
-from flashfsdp.runtime.sharding_spec import ShardingSpec
+from flashfsdp.runtime.sharding_spec import ShardingSpec, is_dtensor
 from flashfsdp.runtime.param_tags import tag_of
 from flashfsdp.runtime.step import ReshardAfterForward, resolve_reshard_after_forward  # noqa: F401 - fully_shard's
 
@@ -126,7 +125,6 @@ def collect_params(modules: list[nn.Module], ignored: set[int]) -> CollectedPara
     Raises:
         ValueError: a parameter that another unit already took over (shared with a separately
             wrapped module, e.g. tied weights); a 0-dim parameter (as FSDP2).
-        NotImplementedError: a parameter that already is a DTensor (tensor parallelism).
         TypeError: a non-floating-point parameter that requires grad (one that does not is left
             replicated, see :func:`_left_replicated`).
     """
@@ -177,11 +175,6 @@ def _check_param(param: nn.Parameter, fqn: str, top: nn.Module) -> None:
             f"unit: pass the modules that share it to one call, fully_shard([module_a, module_b]), or "
             f"fully_shard only a module that contains all its users"
         )
-    if isinstance(param, DTensor):
-        raise NotImplementedError(
-            f"fully_shard: parameter '{fqn}' of {type(top).__name__} is already a DTensor (placements "
-            f"{tuple(param.placements)} on {param.device_mesh}): parameters of tensor or expert parallelism are not "
-            f"supported yet; shard plain parameters, or use torch.distributed.fsdp.fully_shard for 2-D meshes")
     if param.dim() == 0:
         raise ValueError(
             f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1. "
@@ -192,6 +185,16 @@ def _check_param(param: nn.Parameter, fqn: str, top: nn.Module) -> None:
             f"fully_shard: parameter '{fqn}' has dtype {param.dtype} and requires grad; only float32, bfloat16, "
             f"float16 and float64 parameters are sharded: pass it in ignored_params or register it as a buffer"
         )
+
+
+def check_no_tensor_parallel(collected: CollectedParams, feature: str, instead: str) -> None:
+    """Raises NotImplementedError naming the first tensor-parallel (DTensor) parameter, for a
+    ``feature`` that does not support them (``instead``: what to do)."""
+    for param, fqn in zip(collected.params, collected.fqns):
+        if is_dtensor(param):
+            raise NotImplementedError(
+                f"fully_shard: parameter '{fqn}' is a tensor-parallel DTensor (placements {tuple(param.placements)}), "
+                f"and {feature} is not supported with tensor parallelism; {instead}")
 
 
 def _managed_by_another_api(module: nn.Module) -> bool:
@@ -368,7 +371,8 @@ def _check_mesh_dims(mesh) -> None:
         raise ValueError(
             f"fully_shard: mesh must be a 1-D DeviceMesh (FSDP) or a 2-D one (HSDP: dims (replicate, shard)), "
             f"got {mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; pass the data-parallel dims only, e.g. "
-            f"mesh['replicate', 'shard'] (tensor or expert parallelism is not supported)"
+            f"mesh['dp'] or mesh['dp_replicate', 'dp_shard'] (the tensor-parallel dim is the one "
+            f"parallelize_module was given)"
         )
     if mesh.ndim == 1:
         return

@@ -59,6 +59,8 @@ def clip_grad_norm_(
         ValueError: ``max_norm`` <= 0 or ``norm_type`` <= 0 (on any rank); gradients of
             parameters outside any unit that differ across ranks (on every rank; nothing clipped).
         RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is set (on any rank).
+        NotImplementedError: a tensor-parallel parameter (named; on every rank, before any
+            communication): use ``torch.nn.utils.clip_grad_norm_``.
     """
     close_init_windows()
     params = list(model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params)

@@ -66,7 +66,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
             too) that no nested fully_shard'ed module owns and ``ignored_params`` leaves out.
         mesh: a 1-D ``DeviceMesh`` whose group shards the unit, or a 2-D one of dims
             (replicate, shard) for HSDP (see [Note: HSDP]). None: the default process group, or a
-            single rank (W = 1) when torch.distributed is not initialised.
+            single rank (W = 1) when torch.distributed is not initialised. With tensor parallelism:
+            the DP dim(s) of the TP mesh's mesh, ``mesh["dp"]`` (``runtime/tensor_parallel.py``).
         reshard_after_forward: True, False, an int k dividing W (ZeRO++ hpZ) or None (the
             default); see [Note: reshard_after_forward].
         shard_placement_fn: FSDP2's per-parameter placement: called once per parameter with the
@@ -91,13 +92,12 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
             0-dim parameter; a parameter already owned by another unit; a mesh of more than 2 dims, a 2-D mesh
             without dim names (or named the other way round), a mesh of another device type or
             without this rank; a ``Communicator`` not over the mesh's (shard) group; an unknown communicator; a
-            ``reshard_after_forward`` int that does not divide W; a ``shard_placement_fn`` result that
-            is not a ``Shard`` or None, or a dim out of range for its parameter.
+            ``reshard_after_forward`` int that does not divide W; a bad ``shard_placement_fn`` result.
         TypeError: not an ``nn.Module`` or list of them; a bad parameter dtype, ``mp_policy``,
             ``offload_policy``, ``shard_placement_fn`` (not callable) or ``reshard_after_forward``.
         RuntimeError: W > 1 requested (``WORLD_SIZE`` set) but torch.distributed not initialised.
-        NotImplementedError: a parameter that already is a DTensor (tensor parallelism); a
-            ``shard_placement_fn`` result with a mesh of its own (``ShardPlacementResult``).
+        NotImplementedError: a ``ShardPlacementResult`` from ``shard_placement_fn``; what tensor
+            parallelism does not support (``TensorParallelSpec``, ``reshard_after_forward=<int>``).
     """
     modules = _init.check_modules(module)
     mp_policy = _init.check_mp_policy(mp_policy)
@@ -131,6 +131,8 @@ def _build_unit(modules, collected, groups: _init.MeshGroups, mesh, communicator
     resolved = _init.resolve_reshard_after_forward(reshard_after_forward, comm.world_size)
     post_forward_comm = None
     if resolved.post_forward_size is not None:
+        _init.check_no_tensor_parallel(collected, f"reshard_after_forward={reshard_after_forward}",
+                                       "use reshard_after_forward=True or False (as FSDP2)")
         post_forward_comm = post_forward_communicator(comm, resolved.post_forward_size, communicator, target)
     # Named by class here; the root renames every unit by its qualified name at lazy init.
     unit = ShardedUnit(

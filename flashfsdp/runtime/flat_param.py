@@ -39,7 +39,7 @@ from flashfsdp._torch_private import set_dtensor_local
 from flashfsdp.kernels import flatten, quantize_int8, unflatten
 
 from .dim_chunks import chunks_to_full, full_to_chunks
-from .extensions import check_kept_subclasses, subclass_local
+from .extensions import as_plain, check_kept_subclasses, subclass_local
 from .grad_shard import GradShard
 from .layout import ShardLayout
 from .param_tags import set_tag
@@ -81,6 +81,8 @@ class FlatParam(GradShard):
             copied to the host before it is accumulated there; the optimizer steps on the CPU.
         pin_memory: pin the CPU shard and gradient (asynchronous copies; only with CUDA).
         shard_dims: each parameter's shard dim (FSDP2's ``Shard(k)``, k >= 0); None: all 0.
+        specs: per parameter, None (``spec``) or a tensor-parallel parameter's ``TensorParallelSpec``
+            (``params`` then holds its TP-local tensor; ``tensor_parallel.py``); None: ``spec`` for all.
 
     Raises:
         ValueError: if the parameters mix dtypes or requires_grad (group them first), one is
@@ -103,6 +105,7 @@ class FlatParam(GradShard):
         offload: bool = False,
         pin_memory: bool = False,
         shard_dims: Sequence[int] | None = None,
+        specs: Sequence[ShardingSpec | None] | None = None,
     ):
         if len({p.dtype for p in params}) != 1 or len({p.requires_grad for p in params}) != 1:
             raise ValueError("FlatParam: parameters of one group must share dtype and requires_grad")
@@ -117,6 +120,7 @@ class FlatParam(GradShard):
         self.rank = rank
         self.world_size = world_size
         self.spec = spec or ShardingSpec(None)
+        self.specs = [s or self.spec for s in (specs or [None] * len(params))]  # per parameter
         self.unit = None  # the ShardedUnit that owns the group (set by it)
         self.layout = ShardLayout.build(self.shapes, world_size, align, shard_dims)
         # this rank's chunk of each parameter: (offset in the shard, elements, shape), read per step
@@ -179,14 +183,14 @@ class FlatParam(GradShard):
             local = self.subclass_locals[i] = subclass_local(full, self.rank, self.world_size)
         else:
             local = self.local_view(self.sharded_flat, i)
-        param = self.spec.parameter(local, self.shapes[i], requires_grad, self.layout.dims[i])
+        param = self.specs[i].parameter(local, self.shapes[i], requires_grad, self.layout.dims[i])
         self._tag(param, i)
         return param
 
     def wrap_local(self, local: torch.Tensor, i: int) -> torch.Tensor:
         """``local`` (a tensor of parameter ``i``'s local shape, e.g. a view of an optimizer state
         laid out like the shard) as parameter ``i``'s DTensor: its global shape and placements."""
-        return self.spec.wrap(local, self.shapes[i], self.layout.dims[i])
+        return self.specs[i].wrap(local, self.shapes[i], self.layout.dims[i])
 
     def _tag(self, param: torch.Tensor, i: int) -> None:
         set_tag(param, self, i)
@@ -244,17 +248,18 @@ class FlatParam(GradShard):
         want = self.layout.local_shape(self.rank, i)
         if is_dtensor(tensor):
             local = local_of(tensor)
-            placements = self.spec.placements_for(self.layout.dims[i])
+            placements = self.specs[i].placements_for(self.layout.dims[i])
             if tuple(local.shape) == want and tuple(tensor.placements) == placements:
                 return local
             raise ValueError(
                 f"parameter '{self.fqns[i]}' was replaced by a DTensor with placements {tensor.placements} and local "
                 f"shape {tuple(local.shape)}, but its unit shards it as {placements} with local shape "
                 f"{want}: assign a full-shape tensor or a DTensor of the unit's placements")
-        if tuple(tensor.shape) == self.shapes[i]:
-            return self._chunk_of(tensor.detach(), i)
+        full_shape = self.specs[i].global_shape_of(self.shapes[i])
+        if tuple(tensor.shape) == full_shape:
+            return self._chunk_of(self.specs[i].local_of_full(tensor.detach()), i)
         raise ValueError(f"parameter '{self.fqns[i]}' was replaced by a tensor of shape {tuple(tensor.shape)}; its "
-                         f"full shape is {self.shapes[i]}")
+                         f"full shape is {full_shape}")
 
     def rehome(self, registered: Sequence[torch.Tensor], param_dtype: torch.dtype | None,
                device: torch.device | None = None) -> bool:
@@ -308,7 +313,7 @@ class FlatParam(GradShard):
                 p.grad = None
                 p.data = view
             else:
-                p = self.spec.parameter(view, self.shapes[i], p.requires_grad, self.layout.dims[i])
+                p = self.specs[i].parameter(view, self.shapes[i], p.requires_grad, self.layout.dims[i])
             self._tag(p, i)
             params.append(p)
         self.sharded_params = params
@@ -323,10 +328,8 @@ class FlatParam(GradShard):
         :meth:`rehome`), storage freed until the first unshard."""
         lay = self.layout
         self.unsharded_flat = torch.empty(lay.unsharded_size, dtype=self.param_dtype, device=self.device)
-        self.unsharded_params = [
-            nn.Parameter(self.unsharded_flat[u : u + n].view(shape), requires_grad=p.requires_grad)
-            for u, n, shape, p in zip(lay.unsharded_offsets, lay.numels, self.shapes, self.sharded_params)
-        ]
+        self.unsharded_params = [spec.unsharded_parameter(self.unsharded_data(i), p.requires_grad)
+                                 for i, (p, spec) in enumerate(zip(self.sharded_params, self.specs))]
         if lay.zero_copy:
             self.gathered = self.unsharded_flat
             self._copy_out_targets: list[torch.Tensor] = []
@@ -340,6 +343,17 @@ class FlatParam(GradShard):
         self._unsharded_nbytes = lay.unsharded_size * self.unsharded_flat.element_size()
         self._gathered_nbytes = lay.gathered_size * self.unsharded_flat.element_size()
         self.free_unsharded()
+
+    def unsharded_data(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s full-shape view of the unsharded buffer, as a plain tensor."""
+        u, n = self.layout.unsharded_offsets[i], self.layout.numels[i]
+        return self.unsharded_flat[u : u + n].view(self.shapes[i])
+
+    def unsharded_grads(self) -> list[torch.Tensor | None]:
+        """The unsharded parameters' gradients to reduce, as plain tensors (a tensor-parallel
+        parameter's gradient redistributed to its TP placements: its local tensor; a tensor
+        subclass's copied into a plain tensor)."""
+        return [as_plain(spec.local_grad(p.grad)) for spec, p in zip(self.specs, self.unsharded_params)]
 
     def unsharded_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's 1-D range of a buffer laid out like the unsharded one."""
@@ -391,7 +405,7 @@ class FlatParam(GradShard):
             if self._copy_out_targets:
                 unflatten(self.gathered, self._copy_out_sources, self._copy_out_targets)
             for i in self.layout.strided:
-                chunks_to_full(self.gathered, self.layout, i, self.unsharded_params[i].data)
+                chunks_to_full(self.gathered, self.layout, i, self.unsharded_data(i))
         self.free_gathered()
 
     def gathered_to_unsharded(self, gathered: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -438,7 +452,7 @@ class FlatParam(GradShard):
             flatten([t for _, t in picked], [s.gathered_offset - lo for s, _ in picked], out)
             per = self.world_size // parts
             for i in self.layout.strided:
-                full_to_chunks(self.unsharded_params[i].data, self.layout, i, out,
+                full_to_chunks(self.unsharded_data(i), self.layout, i, out,
                                ranks=range(index * per, (index + 1) * per))
         return out
 

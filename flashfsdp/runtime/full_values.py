@@ -60,7 +60,8 @@ def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor
         return value.redistribute(param.device_mesh, param.placements)
     tag = tag_of(param)
     group = tag.group
-    local = group._chunk_of(value.detach(), tag.index).to(device=param.device).contiguous()
+    full = group.specs[tag.index].local_of_full(value.detach())  # (a tensor-parallel one: its TP-local part)
+    local = group._chunk_of(full, tag.index).to(device=param.device).contiguous()
     return group.wrap_local(local, tag.index)
 
 

@@ -22,6 +22,7 @@ from .agreement import raise_group_errors, raise_own
 from .communicator import Communicator
 from .param_tags import group_of, tag_of, unit_of
 from .sharding_spec import is_dtensor, local_of
+from .tensor_parallel import TensorParallelSpec
 
 
 def unit_communicators(params: list[torch.Tensor]) -> dict[int, tuple[Communicator, torch.device]]:
@@ -32,8 +33,20 @@ def unit_communicators(params: list[torch.Tensor]) -> dict[int, tuple[Communicat
     for p in params:
         unit = unit_of(p)
         if unit is not None:
+            _refuse_tensor_parallel(p)
             comms.setdefault(id(unit.comm), (unit.comm, unit.device))
     return comms
+
+
+def _refuse_tensor_parallel(param: torch.Tensor) -> None:
+    """The terms here are summed over the unit's DP ranks only; a tensor-parallel parameter's also
+    need the TP ranks (only where TP shards it), which the stock function's DTensor math does."""
+    tag = tag_of(param)
+    if isinstance(tag.group.specs[tag.index], TensorParallelSpec):
+        raise NotImplementedError(
+            f"clip_grad_norm_: parameter '{tag.group.fqns[tag.index]}' is tensor-parallel (placements "
+            f"{tuple(param.placements)}): flashfsdp's gradient norm sums over the data-parallel ranks only; use "
+            f"torch.nn.utils.clip_grad_norm_(model.parameters(), ...), whose DTensor norm covers both meshes")
 
 
 def total_grad_norm(params: list[torch.Tensor], norm_type: float, device: torch.device, comms: dict,

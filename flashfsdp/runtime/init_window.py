@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from flashfsdp._torch_private import DisableTorchFunctionSubclass, pytree
 from flashfsdp.runtime.flat_param import shards_written
 from flashfsdp.runtime.param_tags import group_of, tag_of
+from flashfsdp.runtime.tensor_parallel import TensorParallelSpec
 
 MAX_ACTIVE = 3
 
@@ -160,9 +161,11 @@ def _deactivate(key: int) -> None:
 
 def open_init_window(params: list[torch.Tensor]) -> None:
     """Swap these sharded parameters' class to :class:`ShardedInitParameter` until
-    :func:`close_init_windows` (DTensor parameters only: a plain one holds its whole tensor)."""
+    :func:`close_init_windows` (DTensor parameters only: a plain one holds its whole tensor; a
+    tensor-parallel one stays a DTensor, initialised per shard as FSDP2's, since its group's
+    stand-in would have the TP-local shape, not the global one its initialisation reads)."""
     for p in params:
-        if type(p) is DTensor:
+        if type(p) is DTensor and not isinstance(tag_of(p).group.specs[tag_of(p).index], TensorParallelSpec):
             p.__class__ = ShardedInitParameter
             _OPEN[id(p)] = weakref.ref(p)
 

@@ -41,7 +41,6 @@ from flashfsdp.kernels import accumulate_grad_shard, flatten, unflatten
 from . import loss_scale, trace
 from .communicator import Work
 from .dim_chunks import full_to_chunks
-from .extensions import as_plain
 from .flat_param import FlatParam
 from .layout import ShardLayout
 
@@ -237,7 +236,7 @@ class PendingReduce:
 def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
     """Pack and reduce-scatter (asynchronously) one trainable group's unsharded gradients; None if
     it has none. The unsharded parameters' ``.grad`` and the no-sync buffer are released."""
-    grads = [as_plain(p.grad) for p in group.unsharded_params]  # a subclass's gradient as a plain tensor
+    grads = group.unsharded_grads()  # plain tensors (a subclass's copied, a TP DTensor's local)
     local = [g is not None or acc for g, acc in zip(grads, group.accum_had_grad)]
     if not group.requires_grad or not any(local):
         return None
@@ -323,7 +322,7 @@ def accumulate_unsharded(unit: "ShardedUnit") -> None:
     ``param_dtype``, e.g. bf16, losing digits). The next reduction reduces that buffer."""
     reduce_dtype = unit.reduce_dtype
     for group in unit.groups:
-        grads = [as_plain(p.grad) for p in group.unsharded_params]
+        grads = group.unsharded_grads()
         if reduce_dtype is None or all(g is None or g.dtype == reduce_dtype for g in grads):
             continue
         with torch.no_grad():

@@ -112,6 +112,27 @@ class ShardingSpec:
         param._is_param = True  # what nn.Parameter.__new__ marks a tensor subclass with
         return param
 
+    # The hooks below are the identity here; ``tensor_parallel.TensorParallelSpec`` overrides them.
+    def global_shape_of(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The global shape of a parameter whose unit shards a tensor of ``shape``: ``shape``."""
+        return tuple(shape)
+
+    def unsharded_parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """The unsharded parameter (forward/backward) over ``local``, a view of the unsharded buffer."""
+        return nn.Parameter(local, requires_grad=requires_grad)
+
+    def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The tensor to reduce of an unsharded parameter's gradient: ``grad``."""
+        return grad
+
+    def local_of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """The tensor the unit shards, of a value of the global shape: ``full``."""
+        return full
+
+    def full_of_local(self, local_full: torch.Tensor) -> torch.Tensor:
+        """The global value of a gathered tensor the unit sharded: ``local_full``."""
+        return local_full
+
     def __repr__(self) -> str:
         if self.mesh is None:
             return "ShardingSpec(plain tensors)"

@@ -32,6 +32,7 @@ from .quantized_gather import QuantizedAllGather, check_all_gather_dtype, finish
 from .reduce import PendingReduce, accumulate_unsharded, gradient_divide_factors, reduce_group
 from .sharding_spec import ShardingSpec
 from .states import ShardState
+from .tensor_parallel import tensor_parallel_specs, tp_local_param
 from .streams import DeviceStreams, streams_for
 
 __all__ = ["AllGatherResult", "PendingReduce", "ShardedUnit", "ShardState", "gradient_divide_factors"]
@@ -116,6 +117,9 @@ class ShardedUnit:
         shard_dims: each parameter's shard dim (FSDP2's ``shard_placement_fn``'s ``Shard(k)``,
             k >= 0; see [Note: Shard(k) parameters] in ``layout.py``); None: dim 0 for all.
 
+    A parameter that is a DTensor (tensor parallelism) is sharded as its TP-local tensor and
+    shown on the DP and TP meshes joined (``tensor_parallel.py``).
+
     A unit with no parameters is allowed: its unshard and reduction do nothing.
     """
 
@@ -174,6 +178,8 @@ class ShardedUnit:
                      shard_dims: Sequence[int] | None) -> None:
         """One FlatParam per (dtype, requires_grad) of ``params``: ``groups``, and ``param_slots``
         (index of each parameter -> (group, position in group))."""
+        tp_specs = tensor_parallel_specs(self.spec, params, fqns)
+        params = [tp_local_param(p) for p in params]  # a tensor-parallel DTensor: its TP-local tensor
         keys: dict[tuple[torch.dtype, bool], list[int]] = {}
         for i, p in enumerate(params):
             keys.setdefault((p.dtype, p.requires_grad), []).append(i)
@@ -187,6 +193,7 @@ class ShardedUnit:
                 world_size=self.comm.world_size, param_dtype=pdt, device=self.device, align=align,
                 spec=self.spec, offload=offload, pin_memory=pin_memory,
                 shard_dims=None if shard_dims is None else [shard_dims[i] for i in idx],
+                specs=[tp_specs[i] for i in idx],
             )
             self.groups.append(group)
             for pos, i in enumerate(idx):

@@ -22,6 +22,7 @@ from flashfsdp.runtime.flat_param import FlatParam, shards_written
 from flashfsdp.runtime.full_values import gather_flat, subclass_full_values
 from flashfsdp.runtime.init_window import close_init_windows
 from flashfsdp.runtime.sharding_spec import is_dtensor
+from flashfsdp.runtime.tensor_parallel import TensorParallelSpec
 
 from ..state import FSDPState, TrainingState
 from ..structure import check_same_structure
@@ -35,6 +36,7 @@ def units_of(model: Any, where: str) -> list[tuple[str, FSDPState]]:
         TypeError: ``model`` is not a module.
         ValueError: it has no fully_shard'ed module.
         RuntimeError: a unit is inside forward/backward.
+        NotImplementedError: a unit holds a tensor-parallel parameter (named).
     """
     close_init_windows()
     if not isinstance(model, nn.Module):
@@ -53,7 +55,19 @@ def units_of(model: Any, where: str) -> list[tuple[str, FSDPState]]:
         if state.training_state is not TrainingState.IDLE:
             raise RuntimeError(f"{where}: unit '{state.unit.name}' is in {state.training_state.value}; "
                                f"call it outside forward/backward")
+        _refuse_tensor_parallel(state, where)
     return states
+
+
+def _refuse_tensor_parallel(state: FSDPState, where: str) -> None:
+    """The full values here are gathered over each unit's data-parallel ranks only."""
+    for group in state.unit.groups:
+        for pos, param in enumerate(group.sharded_params):
+            if isinstance(group.specs[pos], TensorParallelSpec):
+                raise NotImplementedError(
+                    f"{where}: parameter '{group.fqns[pos]}' is tensor-parallel (placements {tuple(param.placements)}), "
+                    f"which this gathers over the data-parallel ranks only; use torch.distributed.checkpoint."
+                    f"state_dict.get_model_state_dict / set_model_state_dict (full_state_dict=True) or DCP instead")
 
 
 def param_owners(model: nn.Module) -> dict[str, tuple[FSDPState, int]]:
