@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from flashfsdp import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from flashfsdp.models import Attention, Llama, LlamaConfig
@@ -117,14 +118,19 @@ def build_sharded_model(config: LlamaConfig, device: torch.device, policy: Mixed
     return model, vectors
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the sharded gradients to a global 2-norm of `max_norm` (0: only measure it).
+def clip_grad_norm(model: nn.Module, max_norm: float, tensor_parallel: bool = False) -> float:
+    """Clip the sharded gradients to a global 2-norm of `max_norm` (0: only measure it): with
+    `flashfsdp.clip_grad_norm_`, or for a tensor-parallel model (--tp) with torch's
+    `clip_grad_norm_`, whose DTensor norm sums over the data-parallel and the TP ranks.
 
     Returns:
         The global gradient norm before clipping, as a float.
     """
-    norm = clip_grad_norm_(model, max_norm if max_norm > 0 else float("inf"))
-    return float(norm)
+    limit = max_norm if max_norm > 0 else float("inf")
+    if not tensor_parallel:
+        return float(clip_grad_norm_(model, limit))
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], limit)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def compile_blocks(model: Llama) -> None:

@@ -249,7 +249,7 @@ class Trainer:
         """Unscale (fp16), clip, step AdamW unless a gradient overflowed, update the loss scale,
         zero the gradients. Returns (the global gradient norm, whether the step was skipped)."""
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model, self.config.optimizer.max_grad_norm)
+        grad_norm = clip_grad_norm(self.model, self.config.optimizer.max_grad_norm, self.mesh is not None)
         skipped_before = self.scaler.steps_skipped
         self.scaler.step(self.optimizer)
         self.scaler.update()
