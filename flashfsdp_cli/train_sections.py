@@ -132,7 +132,15 @@ class OptimizerSection:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingSection:
-    """How fully_shard shards each block and the root: its MixedPrecisionPolicy and resharding."""
+    """How each block and the root are sharded: tensor parallelism, then fully_shard's
+    MixedPrecisionPolicy and resharding."""
+
+    tp: int = option(
+        1, check="positive",
+        help="tensor-parallel degree: the ranks form a (W/tp, tp) mesh; each block is split over the tp ranks "
+             "of its group (torchtitan's plan with sequence parallelism: flashfsdp.models.tp_plan), then "
+             "fully_shard'ed over the W/tp data-parallel ranks, which take the batch's rows; tp must divide "
+             "the world size, the heads, the key/value heads and the feed-forward width")
 
     param_dtype: str | None = option(
         choices=DTYPE_NAMES, parse=dtype_name, default_text="bf16 on CUDA, fp32 on CPU",

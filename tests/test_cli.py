@@ -58,6 +58,7 @@ def test_help_is_grouped_by_the_config_sections():
     (["--reshard-after-forward", "maybe"], "argument --reshard-after-forward: give true, false, default or a number"),
     (["--reshard-after-forward", "-1"], "--reshard-after-forward must be true, false or a positive integer, got -1"),
     (["--param-dtype", "fp8"], "argument --param-dtype: invalid choice: 'fp8'"),
+    (["--tp", "0"], "--tp must be positive, got 0"),
     (["export", "--out", "run"], "the following arguments are required: --to"),
 ])
 def test_usage_errors_are_one_line_before_torch(argv, message):
@@ -100,3 +101,13 @@ def test_estimate_survives_a_closed_pipe():
                           shell=True, capture_output=True, text=True, timeout=300)
     assert done.stdout.startswith("Llama 8b: ") and len(done.stdout.splitlines()) == 1
     assert "BrokenPipeError" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_estimate_with_tensor_parallelism():
+    done = _estimate("--preset", "tiny", "--world-size", "4", "--tp", "2", "--tokens", "256", "--table")
+    assert done.returncode == 0, done.stderr
+    assert "W = 4, (dp, tp) = (2, 2);" in done.stdout.splitlines()[0]
+    assert "TP all-gathered (" in done.stdout and "over 2 ranks, 256 tokens)" in done.stdout
+    bad = _estimate("--preset", "tiny", "--world-size", "4", "--tp", "3")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "python -m flashfsdp.estimate: error: estimate: tp=3 must divide world_size=4")

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, default=2, help="prefetched units ahead of compute")
     p.add_argument("--sharding", choices=("full", "grad_op"), help="(hybrid: use --hsdp)")
     p.add_argument("--hsdp", type=int, metavar="S", help="hybrid sharding: shard groups of S ranks, W/S replicas")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism (--preset only): a (W/N, N) mesh, the Llama TP plan with sequence "
+                        "parallelism over N ranks, fully_shard over the W/N others")
+    p.add_argument("--tokens", type=int, metavar="T",
+                   help="tokens of one TP group's step, for the TP communication (default: one sequence)")
     p.add_argument("--table", type=int, nargs="*", default=list(TABLE_WORLD_SIZES), metavar="W",
                    help="world sizes of the table (none: no table)")
     return p
@@ -100,6 +105,7 @@ def _assumed(args, est, master_dtype: torch.dtype) -> str:
     reduce = args.reduce_dtype or param
     master = str(master_dtype).replace("torch.", "")
     hsdp = f", hybrid: {est.replicas} replicas of {est.shard_group_size} ranks" if est.replicas > 1 else ""
+    hsdp += f", (dp, tp) = ({est.world_size // est.tp}, {est.tp})" if est.tp > 1 else ""
     return (f"{est.num_params:,} parameters, {len(est.units)} units, W = {est.world_size}{hsdp}; dtypes assumed: "
             f"{master} master weights, gradients and {args.optimizer} state, param_dtype {param}"
             f"{'' if args.param_dtype else ' (default)'}, reduce_dtype {reduce}"
@@ -116,9 +122,10 @@ def _print_estimate(args) -> int:
     sharding = "hybrid" if args.hsdp is not None else args.sharding
     options = dict(mp_policy=policy, optimizer=args.optimizer, reshard_after_forward=args.reshard_after_forward,
                    max_inflight=args.max_inflight, sharding=sharding, shard_group_size=args.hsdp)
+    tp = dict(tp=args.tp, tokens=args.tokens)
     try:
         name, model, units = _model(args)
-        est = estimate(model, args.world_size, units=units, **options)
+        est = estimate(model, args.world_size, units=units, **options, **tp)
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
@@ -133,6 +140,8 @@ def _print_estimate(args) -> int:
         print("\nOver world sizes, full sharding (per rank; DeepSpeed: estimate_zero3_model_states_mem_needs, "
               "no offload):")
         print(world_size_table(lambda w: estimate(model, w, **at), args.table, model_params(model)))
+        if args.tp > 1:
+            print("(the table is without tensor parallelism)")
     return 0
 
 

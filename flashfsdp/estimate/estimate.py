@@ -20,6 +20,12 @@ policy (``replay.py``):
   reduce-scatter buffers (packed T and reduced S elements in ``reduce_dtype``, two units' at once).
   Activations are not counted (they depend on batch, sequence and checkpointing).
 
+With ``tp`` > 1 the W ranks form a (W / tp, tp) mesh: the Llama TP plan (``flashfsdp.models.tp_plan``,
+sequence parallel) splits each weight over the tp ranks, and FSDP shards each TP-local piece over the
+W / tp data-parallel ranks: the split weights' states are divided by W, the replicated RMSNorm
+weights' by W / tp; the FSDP collectives run over the data-parallel ranks, and ``Estimate.tp_comm``
+counts the activations' TP collectives (``tp_comm.py``).
+
 Per step: the all-gathers (forward and backward), reduce-scatters and hybrid all-reduces, compared
 with DDP's all-reduce (``comm.py``: 3Ψ against 2Ψ, the 1.5× of ZeRO §7.2 and of the FSDP paper,
 Zhao et al. 2023). DeepSpeed's ZeRO-3 formula for comparison is in ``deepspeed.py``.
@@ -28,17 +34,19 @@ Zhao et al. 2023). DeepSpeed's ZeRO-3 formula for comparison is in ``deepspeed.p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from flashfsdp.runtime.step import resolve_reshard_after_forward
 from flashfsdp.models import Llama, LlamaConfig, config_from_preset
+from flashfsdp.models.tp_plan import check_tp_degree
 
 from .comm import CommVolume, step_volume
 from .replay import StepHoldings, walk_steady_step
-from .units import UnitSpec, build_units
+from .tp_comm import TPVolume, tp_step_volume
+from .units import UnitSpec, build_units, param_placement
 
 # Optimizer state: buffers of each local piece's size, and bytes per parameter of scalars (Adam's step).
 OPTIMIZER_STATES = {"adamw": (2, 4), "adam": (2, 4), "sgd_momentum": (1, 0), "sgd": (0, 0), "none": (0, 0)}
@@ -50,8 +58,8 @@ class Estimate:
     """The estimate for one rank (bytes) and one step (see the module docstring).
 
     Attributes:
-        world_size: W; shard_group_size: S, ranks that shard one replica (W unless hybrid);
-            replicas: W / S.
+        world_size: W; shard_group_size: S, ranks that shard one replica (W / tp unless hybrid);
+            replicas: W / (S · tp).
         num_params: distinct parameters of the model; units: the unit specs (root first).
         master_bytes, grad_bytes, optimizer_bytes: the sharded model states.
         params_peak_bytes: most unsharded parameter bytes (and post-forward slices) at once.
@@ -60,7 +68,8 @@ class Estimate:
         unsharded_grad_bytes, reduce_buffer_bytes: the peaks of unsharded gradients and of
             reduce-scatter buffers.
         transient_peak_bytes: the most the step allocates at once on top of the model states.
-        comm: the step's communication.
+        comm: the step's FSDP communication (over the data-parallel ranks).
+        tp: the TP degree; tp_comm: the step's TP communication (None without TP).
     """
 
     world_size: int
@@ -78,11 +87,13 @@ class Estimate:
     comm: CommVolume
     optimizer: str
     sharding: str
+    tp: int = 1
+    tp_comm: TPVolume | None = None
 
     @property
     def replicas(self) -> int:
-        """W / S: replicas of the sharded model (1 unless hybrid)."""
-        return self.world_size // self.shard_group_size
+        """W / (S · tp): replicas of the sharded model (1 unless hybrid)."""
+        return self.world_size // (self.shard_group_size * self.tp)
 
     @property
     def largest_unit(self) -> UnitSpec:
@@ -109,8 +120,10 @@ class Estimate:
 def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *, mp_policy=None,
              optimizer: str = "adamw", units=None, reshard_after_forward: bool | int | None = None,
              max_inflight: int = 2, sharding: str | None = None, mesh=None,
-             shard_group_size: int | None = None) -> Estimate:
-    """Memory per rank and communication per step of ``model_or_config`` sharded over W ranks.
+             shard_group_size: int | None = None, tp: int = 1, tokens: int | None = None,
+             shard_placement_fn=None) -> Estimate:
+    """Memory per rank and communication per step of ``model_or_config`` sharded over W ranks
+    (with ``tp`` > 1, a (W / tp, tp) mesh: see the module docstring).
 
     Args:
         model_or_config: an ``nn.Module`` (the meta device is enough: only shapes and dtypes are
@@ -132,15 +145,19 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
             ``reshard_after_forward=False``, FSDP1's SHARD_GRAD_OP) or "hybrid" (full sharding within
             groups of ``shard_group_size`` ranks, replicated across the W/S groups). None: "hybrid"
             with a 2-D mesh, else "full".
-        mesh: a ``DeviceMesh`` (or its shape as a tuple): 1-D of W ranks, or 2-D (replicas, S).
+        mesh: the data-parallel ``DeviceMesh`` (or its shape): 1-D, or 2-D (replicas, S).
         shard_group_size: S for ``sharding="hybrid"`` without a 2-D mesh.
+        tp: the tensor-parallel degree (1: none) of a ``Llama``; tokens: tokens of a TP group's
+            step, for ``tp_comm`` (None: one sequence of ``max_seq_len``).
+        shard_placement_fn: as ``fully_shard``'s (``Shard(k)`` or None per parameter).
 
     Returns:
         An :class:`Estimate` (bytes; ``flashfsdp.estimate.report`` formats it).
 
     Raises:
-        ValueError: an unknown preset, optimizer or sharding; ``world_size`` < 1; a mesh whose size
-            is not ``world_size``; hybrid sharding without a shard group size, or one that does
+        ValueError: an unknown preset, optimizer or sharding; ``world_size`` < 1; a ``tp`` that
+            does not divide W or the model (or > 1 for a model not a ``Llama``); a mesh whose
+            size is not W / tp; hybrid sharding without a shard group size, or one that does
             not divide W; ``reshard_after_forward`` not allowed (see ``fully_shard``); a negative
             ``max_inflight``; ``units`` that are not submodules.
         TypeError: ``model_or_config`` of another type.
@@ -149,24 +166,51 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
     _check_count("max_inflight", max_inflight, 0)
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"estimate: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
-    sharding, group = _resolve_sharding(sharding, world_size, mesh, shard_group_size)
-    if sharding == "grad_op":
-        if reshard_after_forward not in (None, False):
-            raise ValueError(f"estimate: sharding='grad_op' keeps the parameters from forward to backward; "
-                             f"reshard_after_forward={reshard_after_forward!r} contradicts it: leave it unset")
-        reshard_after_forward = False
     model = _as_model(model_or_config)
+    sharding, group = _resolve_sharding(sharding, _check_tp(model, world_size, tp), mesh, shard_group_size)
+    reshard_after_forward = _grad_op_reshard(sharding, reshard_after_forward)
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
     all_gather_dtype = getattr(mp_policy, "all_gather_dtype", None)
-    specs = build_units(model, units, group, param_dtype, reduce_dtype)
+    specs = build_units(model, units, group, param_dtype, reduce_dtype, param_placement(model, tp, shard_placement_fn))
     resolved = resolve_reshard_after_forward(reshard_after_forward, group)
     held = walk_steady_step(specs, {u.name: resolved for u in specs}, group, max_inflight)
-    return _assemble(specs, held, world_size, group, optimizer, sharding, model, all_gather_dtype)
+    est = _assemble(specs, held, world_size, group, optimizer, sharding, model, all_gather_dtype, tp)
+    return est if tp == 1 else replace(est, tp_comm=_tp_volume(model, tp, tokens, param_dtype))
+
+
+def _tp_volume(model: Llama, tp: int, tokens: int | None, param_dtype: torch.dtype | None) -> TPVolume:
+    """The TP collectives of a step of ``tokens`` (None: one sequence) in the compute dtype."""
+    compute = (param_dtype or next(model.parameters()).dtype).itemsize
+    return tp_step_volume(model.config, tp, tokens or model.config.max_seq_len, compute, compute)
+
+
+def _grad_op_reshard(sharding: str, reshard_after_forward: bool | int | None) -> bool | int | None:
+    """``reshard_after_forward`` as ``sharding`` has it: False for "grad_op" (which an explicit
+    other value contradicts), else as given."""
+    if sharding != "grad_op":
+        return reshard_after_forward
+    if reshard_after_forward not in (None, False):
+        raise ValueError(f"estimate: sharding='grad_op' keeps the parameters from forward to backward; "
+                         f"reshard_after_forward={reshard_after_forward!r} contradicts it: leave it unset")
+    return False
+
+
+def _check_tp(model: nn.Module, world_size: int, tp: int) -> int:
+    """The data-parallel size W / tp, after checking ``tp`` (see ``estimate``'s errors)."""
+    _check_count("tp", tp, 1)
+    if world_size % tp:
+        raise ValueError(f"estimate: tp={tp} must divide world_size={world_size}")
+    if tp > 1:
+        if not isinstance(model, Llama):
+            raise ValueError(f"estimate: tp={tp} needs a flashfsdp Llama (its TP plan names the weights), got "
+                             f"{type(model).__name__}")
+        check_tp_degree(model.config, tp, "estimate: tp")
+    return world_size // tp
 
 
 def _assemble(specs: list[UnitSpec], held: StepHoldings, world_size: int, group: int, optimizer: str,
-              sharding: str, model: nn.Module, all_gather_dtype: torch.dtype | None) -> Estimate:
+              sharding: str, model: nn.Module, all_gather_dtype: torch.dtype | None, tp: int) -> Estimate:
     buffers, scalar_bytes = OPTIMIZER_STATES[optimizer]
     optimizer_bytes = sum(u.optimizer_state_bytes(buffers) + scalar_bytes * u.trainable_params() for u in specs)
     return Estimate(
@@ -176,8 +220,8 @@ def _assemble(specs: list[UnitSpec], held: StepHoldings, world_size: int, group:
         optimizer_bytes=optimizer_bytes, params_peak_bytes=held.params_peak, units_at_peak=held.units_at_peak,
         unsharded_grad_bytes=held.grads_peak, reduce_buffer_bytes=held.buffers_peak,
         transient_peak_bytes=held.transient_peak,
-        comm=step_volume(specs, held.all_gathers, world_size, group, all_gather_dtype),
-        optimizer=optimizer, sharding=sharding)
+        comm=step_volume(specs, held.all_gathers, world_size // tp, group, all_gather_dtype),
+        optimizer=optimizer, sharding=sharding, tp=tp)
 
 
 def _check_count(name: str, value, minimum: int) -> None:

@@ -71,7 +71,18 @@ def comm_table(est: Estimate) -> str:
         rows.append(_row(f"all-reduced across {est.replicas} replicas", c.all_reduce))
     rows += [_row("sent per rank (ring)", c.sent), _row("DDP all-reduce of the gradients", c.ddp_all_reduce),
              _row("DDP sent per rank (ring)", c.ddp_sent)]
-    return _table(("per step", "bytes", "size"), rows) + f"\nsent / DDP's: {c.ratio_to_ddp:.2f}x"
+    table = _table(("per step", "bytes", "size"), rows) + f"\nsent / DDP's: {c.ratio_to_ddp:.2f}x"
+    return table if est.tp_comm is None else table + "\n\n" + tp_comm_table(est)
+
+
+def tp_comm_table(est: Estimate) -> str:
+    """Per-step TP communication of one rank (the activations of the TP plan, sequence parallel)."""
+    t = est.tp_comm
+    rows = [_row(f"TP all-gathered ({t.collectives} collectives over {t.tp} ranks, {t.tokens:,} tokens)",
+                 t.all_gather),
+            _row("TP reduce-scattered", t.reduce_scatter), _row("TP all-reduced (norm gradients)", t.all_reduce),
+            _row("TP sent per rank (ring)", t.sent)]
+    return _table(("per step, tensor parallel", "bytes", "size"), rows)
 
 
 def world_size_table(estimate_at: Callable[[int], Estimate], world_sizes: Sequence[int],

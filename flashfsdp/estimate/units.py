@@ -1,7 +1,8 @@
 """The units of a model as the runtime would build them, from parameter shapes alone.
 
 ``fully_shard`` groups a unit's parameters by (dtype, requires_grad) into flat groups and lays each
-out with ``runtime/layout.py`` (FSDP2's dim-0 chunks of every parameter, packed per rank at offsets
+out with ``runtime/layout.py`` (FSDP2's dim-0 chunks of every parameter, or dim-k chunks of one that
+``shard_placement_fn`` places ``Shard(k)``, packed per rank at offsets
 aligned for every dtype the group uses, see ``runtime/unit.py``). Here the same layout code is applied to the shapes of a model
 that may live on the meta device: nothing is allocated.
 """
@@ -9,11 +10,12 @@ that may live on the meta device: nothing is allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from flashfsdp.models.tp_plan import tp_local_shape
 from flashfsdp.runtime.layout import ShardLayout, align_elements
 from flashfsdp.runtime.quantized_gather import group_all_gather_nbytes
 from flashfsdp.runtime.sharding_spec import local_of
@@ -156,11 +158,15 @@ def resolve_units(model: nn.Module, units: Sequence[nn.Module | str] | None) -> 
 
 
 def build_units(model: nn.Module, units: Sequence[nn.Module | str] | None, world_size: int,
-                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> list[UnitSpec]:
+                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                placement: Callable[[torch.Tensor], tuple[tuple[int, ...], int]] | None = None) -> list[UnitSpec]:
     """The root unit first, then the others in forward order, laid out over ``world_size`` ranks.
 
     Each parameter belongs to the first unit (from the innermost) whose module contains it, the
     others to the root, as bottom-up ``fully_shard`` calls assign them; a tied weight counts once.
+    ``placement(param)`` gives the shape the unit shards (a TP-local piece under tensor
+    parallelism) and the dim it shards it along (``shard_placement_fn``'s ``Shard(k)``); None:
+    the parameter's own shape along dim 0.
 
     Raises:
         ValueError: see :func:`resolve_units`; a parameter shared by two units (``fully_shard``
@@ -178,22 +184,50 @@ def build_units(model: nn.Module, units: Sequence[nn.Module | str] | None, world
                 owner[id(p)] = name
                 params.append(p)
     root = [p for p in dict.fromkeys(model.parameters()) if id(p) not in owner]
-    specs = [unit_spec("<root>", root, world_size, param_dtype, reduce_dtype)]
-    return specs + [unit_spec(n, ps, world_size, param_dtype, reduce_dtype) for n, ps in per_unit.items()]
+    specs = [unit_spec("<root>", root, world_size, param_dtype, reduce_dtype, placement)]
+    return specs + [unit_spec(n, ps, world_size, param_dtype, reduce_dtype, placement) for n, ps in per_unit.items()]
 
 
 def unit_spec(name: str, params: Sequence[torch.Tensor], world_size: int, param_dtype: torch.dtype | None,
-              reduce_dtype: torch.dtype | None) -> UnitSpec:
-    """The flat groups ``ShardedUnit`` makes of ``params`` (see ``runtime/unit.py``)."""
-    keys: dict[tuple[torch.dtype, bool], list[tuple[int, ...]]] = {}
+              reduce_dtype: torch.dtype | None,
+              placement: Callable[[torch.Tensor], tuple[tuple[int, ...], int]] | None = None) -> UnitSpec:
+    """The flat groups ``ShardedUnit`` makes of ``params`` (see ``runtime/unit.py``; ``placement``
+    as in :func:`build_units`)."""
+    keys: dict[tuple[torch.dtype, bool], list[tuple[tuple[int, ...], int]]] = {}
     for p in params:
-        # (a tensor-parallel DTensor: the unit shards its TP-local tensor, ``runtime/tensor_parallel.py``)
-        keys.setdefault((p.dtype, p.requires_grad), []).append(tuple(local_of(p).shape) or (1,))
+        # (a tensor-parallel DTensor without ``placement``: the unit shards its TP-local tensor,
+        # ``runtime/tensor_parallel.py``)
+        keys.setdefault((p.dtype, p.requires_grad), []).append(
+            placement(p) if placement is not None else (tuple(local_of(p).shape) or (1,), 0))
     groups = []
-    for (dtype, trainable), shapes in keys.items():
+    for (dtype, trainable), placed in keys.items():
         pdt = param_dtype if (param_dtype is not None and dtype.is_floating_point) else dtype
         rdt = reduce_dtype or pdt
         align = align_elements([dtype.itemsize, pdt.itemsize, rdt.itemsize])
-        groups.append(GroupSpec(ShardLayout.build(shapes, world_size, align), dtype.itemsize, pdt.itemsize,
+        shapes, dims = [shape for shape, _ in placed], [dim for _, dim in placed]
+        groups.append(GroupSpec(ShardLayout.build(shapes, world_size, align, dims), dtype.itemsize, pdt.itemsize,
                                 rdt.itemsize, trainable, pdt.is_floating_point))
     return UnitSpec(name, tuple(groups))
+
+
+def param_placement(model: nn.Module, tp: int = 1, shard_placement_fn=None
+                    ) -> Callable[[torch.Tensor], tuple[tuple[int, ...], int]] | None:
+    """The ``placement`` of :func:`build_units` for ``model``: under ``tp`` > 1 the piece of each
+    parameter one TP rank holds under the Llama TP plan (``flashfsdp.models.tp_plan``, by the
+    parameter's name; ceil(d / tp) along the split dim, the busiest rank's), and the dim
+    ``shard_placement_fn(param)`` shards it along (its ``Shard(k)``; None: dim 0, FSDP2's).
+    None when neither applies (every parameter whole, along dim 0).
+    """
+    if tp == 1 and shard_placement_fn is None:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def placement(param: torch.Tensor) -> tuple[tuple[int, ...], int]:
+        shape = tuple(param.shape) or (1,)
+        if tp > 1:
+            shape = tp_local_shape(names[id(param)], shape, tp)[0]
+        placed = shard_placement_fn(param) if shard_placement_fn is not None else None
+        dim = 0 if placed is None else placed.dim % len(shape)
+        return shape, dim
+
+    return placement

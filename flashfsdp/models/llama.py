@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @dataclasses.dataclass
@@ -148,6 +149,17 @@ def config_from_preset(name: str, **overrides) -> LlamaConfig:
     return LlamaConfig(**base)
 
 
+def _placed_like(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` (the full value of `param`, on the CPU) in the form `param.copy_` takes: as they
+    are for a plain parameter (and inside flashfsdp's init window, which initialises DTensor
+    parameters through full-shape stand-ins), or this rank's pieces of them as a DTensor of
+    `param`'s mesh and placements for a DTensor parameter (tensor parallelism, torch's FSDP2).
+    Every rank holds the same full values, so no collective is needed."""
+    if type(param) is not DTensor:
+        return values
+    return distribute_tensor(values.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019): x / rms(x) · weight.
 
@@ -247,21 +259,23 @@ class Attention(nn.Module):
             self.rope_inv_freq.copy_(rotary_inv_freq(self.head_dim, self.rope_theta))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
+        batch, seq, _ = x.shape
         if seq > self.max_seq_len:
             raise ValueError(
                 f"sequence length {seq} exceeds max_seq_len {self.max_seq_len}; "
                 "crop the input or build the model with a larger max_seq_len"
             )
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k, v = (w(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
+        # -1 heads: all of them, or under tensor parallelism this rank's n_heads / tp (its
+        # column shards of wq/wk/wv, `flashfsdp.models.tp_plan`).
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
         cos, sin = rotary_cos_sin(self.rope_inv_freq, seq)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Grouped-query attention (a K/V head per group of query heads) inside SDPA, as transformers
         # calls it without a mask; the scale as transformers passes it.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5,
                                              enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -303,7 +317,13 @@ class Llama(nn.Module):
 
     Construct, then call `init_weights(seed)` for the deterministic initialisation used in
     training (the constructor's own PyTorch default init is not the training init).
+
+    Attributes:
+        seq_multiple: the sequence lengths the model takes are multiples of it: 1, or the TP
+            degree under sequence parallelism (`flashfsdp.models.tp_plan` sets it).
     """
+
+    seq_multiple: int = 1
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -324,12 +344,19 @@ class Llama(nn.Module):
         """Logits for every position.
 
         Args:
-            tokens: int64 (batch, seq) ids in [0, vocab_size), seq ≤ config.max_seq_len.
+            tokens: int64 (batch, seq) ids in [0, vocab_size), seq ≤ config.max_seq_len and a
+                multiple of `seq_multiple`.
 
         Returns:
             (batch, seq, vocab_size) logits in the parameters' (compute) dtype; position t
             depends only on tokens[:, :t+1].
+
+        Raises:
+            ValueError: seq not a multiple of `seq_multiple` (sequence parallelism cuts it evenly).
         """
+        if tokens.shape[-1] % self.seq_multiple:
+            raise ValueError(f"sequence length {tokens.shape[-1]} is not a multiple of {self.seq_multiple}, the "
+                             "tensor-parallel degree: sequence parallelism cuts the sequence evenly; pad or crop it")
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
@@ -345,7 +372,8 @@ class Llama(nn.Module):
         drawn on the CPU from a generator seeded with `seed`, then copied to each parameter's
         device, so a model built on the meta device and `to_empty`'d gets the same weights (the
         tied output projection is re-tied first). Call it before sharding, or after ``fully_shard``
-        and ``to_empty`` (flashfsdp's init window gives the same values).
+        and ``to_empty`` (flashfsdp's init window gives the same values), or on DTensor parameters
+        (tensor parallelism, `flashfsdp.models.tp_plan`; torch's FSDP2), each rank keeping its pieces.
         """
         self.tie_weights()
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -362,11 +390,23 @@ class Llama(nn.Module):
                 seen.add(id(module.weight))
                 std = residual_std if name.endswith(("attention.wo", "feed_forward.w2")) else 0.02
                 values = torch.empty(module.weight.shape).normal_(0.0, std, generator=gen)
-                module.weight.copy_(values)
+                module.weight.copy_(_placed_like(module.weight, values))
 
     def num_params(self) -> int:
         """Number of distinct parameter elements (a tied matrix counted once), unsharded."""
         return sum(p.numel() for p in self.parameters())
+
+    def _last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, vocab_size) logits of the position after the last of `tokens`, from the last
+        tokens that fit the model, right-padded to a multiple of `seq_multiple` (positions are
+        causal: the padding after the last token does not change its logits)."""
+        m = self.seq_multiple
+        context = tokens[:, -(self.config.max_seq_len - self.config.max_seq_len % m):]
+        length = context.shape[1]
+        pad = -length % m
+        if pad:
+            context = torch.cat((context, context[:, -1:].expand(-1, pad)), dim=1)
+        return self(context)[:, length - 1, :]
 
     @torch.no_grad()
     def generate(
@@ -386,7 +426,8 @@ class Llama(nn.Module):
 
         Args:
             tokens: int64 (batch, prompt_len) prompt ids, prompt_len ≥ 1; the context fed to
-                the model is cropped to the last `config.max_seq_len` tokens.
+                the model is cropped to the last `config.max_seq_len` tokens (rounded down to a
+                multiple of `seq_multiple`, and right-padded to one).
             max_new_tokens: tokens to append (≥ 0).
             temperature: softmax temperature > 0; 0 means greedy (argmax).
             top_k: keep only the k most likely tokens before sampling (None: all).
@@ -405,8 +446,7 @@ class Llama(nn.Module):
         if top_k is not None and top_k < 1:
             raise ValueError(f"generate: top_k must be ≥ 1 or None, got {top_k}")
         for _ in range(max_new_tokens):
-            context = tokens[:, -self.config.max_seq_len:]
-            logits = self(context)[:, -1, :].float().cpu()
+            logits = self._last_logits(tokens).float().cpu()
             if temperature == 0:
                 next_token = logits.argmax(-1, keepdim=True)
             else:

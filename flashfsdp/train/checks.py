@@ -64,7 +64,7 @@ def check_batch(batch_size: int, grad_accum: int, world_size: int) -> None:
     Args:
         batch_size: global batch in sequences (--batch-size).
         grad_accum: micro-batches per step (--grad-accum).
-        world_size: number of ranks.
+        world_size: number of data-parallel ranks (W / --tp: the ranks of one TP group share rows).
 
     Raises:
         UsageError: --batch-size not a multiple of world_size · --grad-accum.
@@ -75,6 +75,19 @@ def check_batch(batch_size: int, grad_accum: int, world_size: int) -> None:
             f"--batch-size {batch_size} does not split over {world_size} rank(s) x "
             f"--grad-accum {grad_accum}; use a multiple of {parts}"
         )
+
+
+def check_tp(tp: int, world_size: int) -> int:
+    """--tp must divide the world size; returns the data-parallel size W / tp.
+
+    Raises:
+        UsageError: `world_size` not a multiple of `tp` (names --tp and the divisors).
+    """
+    if world_size % tp:
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise UsageError(f"--tp {tp} does not divide the {world_size} rank(s); give one of {divisors} "
+                         f"(or a --nproc that is a multiple of {tp})")
+    return world_size // tp
 
 
 def check_reshard_after_forward(value: bool | int | None, world_size: int) -> None:
@@ -330,7 +343,8 @@ class Inputs:
 
 
 def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
-    """All the checks that need no process group, in order: batch split, resharding group size,
+    """All the checks that need no process group, in order: --tp, batch split over the W / tp
+    data-parallel ranks, resharding group size,
     run directory, data, memory fit (the corpus each rank loads included), --freeze patterns,
     --init-from weights, --compile.
 
@@ -343,12 +357,13 @@ def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
         UsageError: the first check that fails.
     """
     training, out, resume = config.training, config.run.out, config.checkpoint.resume
-    check_batch(training.batch_size, training.grad_accum, world_size)
-    check_reshard_after_forward(config.sharding.reshard_after_forward, world_size)
+    dp = check_tp(config.sharding.tp, world_size)  # the batch splits over the data-parallel ranks
+    check_batch(training.batch_size, training.grad_accum, dp)
+    check_reshard_after_forward(config.sharding.reshard_after_forward, dp)
     resume_from = check_out(out, resume)
     check_not_finished(resume_from, training.steps)
     corpus = check_data(config.data.path, training.seed, config.llama.max_seq_len, training.batch_size,
-                        world_size, config.data.tokenizer)
+                        dp, config.data.tokenizer)
     check_fit(config, world_size, local_world, corpus.train.numel() + corpus.val.numel())
     check_freeze(config.model.freeze, config.llama)
     if config.model.init_from is not None and not resume:

@@ -22,6 +22,7 @@ import torch
 
 from flashfsdp.log import get_logger
 from flashfsdp.models import LlamaConfig, config_from_preset
+from flashfsdp.models.tp_plan import check_tp_degree
 from flashfsdp.train.config_file import file_values
 from flashfsdp.train.errors import UsageError
 from flashfsdp.train.hf_config import llama_config
@@ -65,7 +66,8 @@ class TrainConfig:
     Raises:
         UsageError: a non-positive size, a learning rate out of range, an unknown preset or
             dtype, a metrics sink that is not installed, model overrides with --init-from or that
-            make an invalid model (the message names the option).
+            make an invalid model, a --tp that does not divide the model's heads, key/value heads
+            or feed-forward width (the message names the option).
     """
 
     model: ModelSection
@@ -89,7 +91,10 @@ class TrainConfig:
             if given:
                 raise UsageError(f"{'/'.join(given)} with --init-from: the model's shape is the one in "
                                  f"{self.model.init_from}/config.json; leave {'/'.join(given)} out")
-        _ = self.llama  # raises UsageError on invalid model overrides
+        try:  # the model (raises UsageError on invalid overrides) must split over the TP ranks
+            check_tp_degree(self.llama, self.sharding.tp, "--tp")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
 
     @classmethod
     def from_values(cls, values: dict) -> TrainConfig:

@@ -3,7 +3,8 @@
 Every rank builds the model on the meta device, shards it (one unit per block plus the root),
 materialises only its shards and initialises them from the run's seed (or loads a checkpoint
 into them), and steps AdamW on its shards; rank r trains on its B/W rows of each global batch
-(`flashfsdp.train.data.batch_loader`: a `DataLoader` over a `DistributedSampler`). The
+(`flashfsdp.train.data.batch_loader`: a `DataLoader` over a `DistributedSampler`); with
+--tp the W ranks form a (W/tp, tp) mesh and the rows are dealt out by data-parallel rank. The
 learning rate is a pure function of the step (`flashfsdp.train.lr_schedule.lr_at`), so a
 checkpoint plus the step number restores data order and schedule at any world size. Ctrl-C and
 SIGTERM: see [Note: stop signals] in `flashfsdp.train.stopping`.
@@ -36,7 +37,7 @@ from flashfsdp.train.loggers import open_sinks
 from flashfsdp.train.pretrained import load_pretrained
 from flashfsdp.train.run_lock import hold_on_rank0
 from flashfsdp.train.precision import Precision
-from flashfsdp.train.sharding import build_sharded_model, clip_grad_norm
+from flashfsdp.train.sharding import build_mesh, build_sharded_model, clip_grad_norm, data_parallel
 from flashfsdp.train.stopping import StopFlag, exit_code
 from flashfsdp.train.tokenizer import load_tokenizer
 
@@ -130,7 +131,10 @@ class Trainer:
         self.unigram = unigram_entropy(corpus.train)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         training = config.training
-        self.micro_batch = training.batch_size // world_size // training.grad_accum
+        # --tp: a (dp, tp) mesh; the ranks of one TP group read the same rows of each batch
+        self.mesh = build_mesh(device.type, world_size, config.sharding.tp)
+        self.dp_rank, self.dp_size = data_parallel(self.mesh, rank, world_size)
+        self.micro_batch = training.batch_size // self.dp_size // training.grad_accum
         self.tokens_per_step = training.batch_size * seq_len
         self.throughput = Throughput(self.tokens_per_step, world_size,
                                      flops_per_token(self.model_config, seq_len),
@@ -167,7 +171,7 @@ class Trainer:
         model, no_decay = build_sharded_model(
             self.model_config, self.device, c.precision.policy, seed=c.training.seed if fresh_init else None,
             activation_checkpointing=c.training.activation_checkpointing, compiled=c.training.compile,
-            reshard_after_forward=c.sharding.reshard_after_forward)
+            reshard_after_forward=c.sharding.reshard_after_forward, mesh=self.mesh)
         if resume_from is None and init_from is not None:
             load_pretrained(model, init_from, self.model_config)
         return model, no_decay
@@ -188,7 +192,7 @@ class Trainer:
     def _loader(self, data: torch.Tensor, seed: int, start_step: int):
         """This rank's batches of `data` from `start_step` on (`flashfsdp.train.data.batch_loader`)."""
         return batch_loader(data, self.model_config.max_seq_len, self.config.training.batch_size,
-                            self.world_size, self.rank, seed, start_step,
+                            self.dp_size, self.dp_rank, seed, start_step,
                             pin_memory=self.device.type == "cuda")
 
     def lr_at(self, step: int) -> float:
@@ -227,7 +231,9 @@ class Trainer:
         grad_norm, skipped = self._optimizer_step()
         stop = float(self.stop.requested) if self.stop is not None else 0.0
         stats = torch.stack((loss_sum.float(), torch.tensor(stop, device=self.device)))
-        dist.all_reduce(stats)  # mean loss for the bar, and the stop flags of all ranks
+        # mean loss for the bar (the ranks of a TP group hold the same loss: still the mean over the
+        # data-parallel ranks), and the stop flags of all ranks
+        dist.all_reduce(stats)
         self.step += 1
         self.train_loss = float(stats[0]) / self.world_size
         dt = time.perf_counter() - t0
@@ -243,7 +249,7 @@ class Trainer:
         """Unscale (fp16), clip, step AdamW unless a gradient overflowed, update the loss scale,
         zero the gradients. Returns (the global gradient norm, whether the step was skipped)."""
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model, self.config.optimizer.max_grad_norm)
+        grad_norm = clip_grad_norm(self.model, self.config.optimizer.max_grad_norm, self.mesh is not None)
         skipped_before = self.scaler.steps_skipped
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -391,10 +397,15 @@ class Trainer:
         corpus = self.corpus
         unit = corpus.unit
         return (f"{self.model_config.num_params() / 1e6:.2f}M parameters, "
-                f"{self.world_size} rank(s) on {self.device.type}, corpus {corpus.source}: "
+                f"{self.world_size} rank(s){self._layout()} on {self.device.type}, corpus {corpus.source}: "
                 f"{corpus.train.numel() / 1e6:.1f}M {unit}s train ({corpus.train_files} files), "
                 f"{corpus.val.numel() / 1e6:.2f}M {unit}s val ({corpus.val_files} files), "
                 f"unigram baseline {self.unigram:.3f} nats/{unit}")
+
+    def _layout(self) -> str:
+        """" as (dp, tp) = (2, 2)" with --tp, else nothing."""
+        tp = self.config.sharding.tp
+        return f" as (dp, tp) = ({self.dp_size}, {tp})" if tp > 1 else ""
 
     def _finish(self, wall_s: float) -> None:
         """Samples (all ranks), then on rank 0 the summary, loss plot and samples files."""
