@@ -100,10 +100,10 @@ def _entries(params: list, state) -> list | None:
         local = param._local_tensor
         if type(local) is not torch.Tensor:
             return None
-        placements = param._spec.placements
+        spec = param._spec
         grad = param.grad
         if grad is not None:
-            if not isinstance(grad, DTensor) or grad._spec.placements != placements:
+            if not _same_placements(grad, spec):
                 return None
             grad = grad._local_tensor
             if type(grad) is not torch.Tensor or grad.shape != local.shape:
@@ -114,12 +114,21 @@ def _entries(params: list, state) -> list | None:
             local_state = {}
             for key, value in param_state.items():
                 if isinstance(value, DTensor):
-                    if value._spec.placements != placements or value._local_tensor.shape != local.shape:
+                    if not _same_placements(value, spec) or value._local_tensor.shape != local.shape:
                         return None
                     value = value._local_tensor
                 local_state[key] = value
         entries.append((i, (param, local, grad, local_state)))
     return entries
+
+
+def _same_placements(tensor: torch.Tensor, spec) -> bool:
+    """Whether ``tensor`` is a DTensor placed as ``spec`` says (the spec itself, most often: a
+    unit's gradients and the states made here share their parameter's)."""
+    if not isinstance(tensor, DTensor):
+        return False
+    other = tensor._spec
+    return other is spec or other.placements == spec.placements
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
