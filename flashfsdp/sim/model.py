@@ -86,6 +86,10 @@ class Unit:
         flat_numel: elements of the flat buffer as the runtime lays it out over one shard group
             (alignment and padding included: ``flashfsdp.estimate.units``), a multiple of its size;
             None: ``numel`` rounded up to a multiple of W.
+        reduce_numel: elements of the reduce-scatter's input as the runtime packs it over one
+            shard group (per rank its shard and a flag per parameter, padded:
+            ``runtime/reduce.py``'s ``ReduceLayout``), a multiple of its size; None: the padded
+            flat buffer's.
         tp_ops: the tensor-parallel collectives on the unit's compute path, in step order
             (:class:`TPOp`; none without tensor parallelism).
 
@@ -103,6 +107,7 @@ class Unit:
     all_gather_bytes: float | None = None
     backward_reads_params: bool = True
     flat_numel: int | None = None
+    reduce_numel: int | None = None
     tp_ops: tuple[TPOp, ...] = ()
 
     def __post_init__(self) -> None:
@@ -116,8 +121,9 @@ class Unit:
         _check_number(owner, "state_bytes", self.state_bytes, integer=True)
         if self.all_gather_bytes is not None:
             _check_number(owner, "all_gather_bytes", self.all_gather_bytes)
-        if self.flat_numel is not None:
-            _check_number(owner, "flat_numel", self.flat_numel, integer=True)
+        for attr in ("flat_numel", "reduce_numel"):
+            if getattr(self, attr) is not None:
+                _check_number(owner, attr, getattr(self, attr), integer=True)
         object.__setattr__(self, "tp_ops", tuple(self.tp_ops))
         if not all(isinstance(op, TPOp) for op in self.tp_ops):
             raise ValueError(f"{owner}: tp_ops must hold flashfsdp.sim.TPOp values")
@@ -132,10 +138,15 @@ class Unit:
         """
         if self.flat_numel is None:
             return -(-self.numel // world_size) * world_size
-        if self.flat_numel % world_size:
-            raise ValueError(f"Unit {self.name!r}: flat_numel {self.flat_numel} was laid out for another shard "
-                             f"group than {world_size} ranks (not a multiple); build the model for this world size")
-        return self.flat_numel
+        return self._laid_out("flat_numel", world_size)
+
+    def _laid_out(self, attr: str, world_size: int) -> int:
+        """``attr`` (a size laid out for one shard group), checked to be a multiple of W."""
+        value = getattr(self, attr)
+        if value % world_size:
+            raise ValueError(f"Unit {self.name!r}: {attr} {value} was laid out for another shard group than "
+                             f"{world_size} ranks (not a multiple); build the model for this world size")
+        return value
 
     def unsharded_bytes(self, world_size: int) -> int:
         """Bytes of the unsharded parameters (the all-gather's output)."""
@@ -149,8 +160,10 @@ class Unit:
         return self.padded_numel(world_size) * self.all_gather_bytes
 
     def reduce_bytes_total(self, world_size: int) -> int:
-        """Bytes of the packed gradients (the reduce-scatter's input)."""
-        return self.padded_numel(world_size) * (self.param_bytes if self.reduce_bytes is None else self.reduce_bytes)
+        """Bytes of the packed gradients (the reduce-scatter's input): ``reduce_numel`` elements if
+        given, else ``padded_numel``, in ``reduce_bytes``."""
+        numel = self.padded_numel(world_size) if self.reduce_numel is None else self._laid_out("reduce_numel", world_size)
+        return numel * (self.param_bytes if self.reduce_bytes is None else self.reduce_bytes)
 
     def sharded_state_bytes(self, world_size: int) -> int:
         """Bytes this rank keeps of the unit between steps: S elements × ``state_bytes``."""
