@@ -1,6 +1,7 @@
 """The command lines: `flashfsdp-train --help` and its usage errors answer before torch is imported
 and list `export`; `python -m flashfsdp.estimate` names its dtypes first, takes a transformers
-config, prints human units and survives a closed pipe."""
+config, prints human units and survives a closed pipe; `python -m flashfsdp.sim` states its
+assumptions and prints one row per TP degree."""
 
 from __future__ import annotations
 
@@ -111,3 +112,20 @@ def test_estimate_with_tensor_parallelism():
     bad = _estimate("--preset", "tiny", "--world-size", "4", "--tp", "3")
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "python -m flashfsdp.estimate: error: estimate: tp=3 must divide world_size=4")
+
+
+def test_sim_prints_its_assumptions_and_one_row_per_tp(capsys):
+    done = subprocess.run([sys.executable, "-m", "flashfsdp.sim", "--preset", "tiny", "--world-size", "4",
+                           "--tp", "1", "2", "--tokens", "256"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("Llama tiny, W = 4, 256 tokens per TP group") and "FLOP/s" in lines[0]
+    assert "data-parallel InfiniBand 400 Gb/s: α = 8 µs, β = 50 GB/s; TP NVLink" in lines[1]
+    rows = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"])]
+    assert [r[:2] for r in rows] == [["1", "4"], ["2", "2"]]
+    assert float(rows[0][4]) == 0 and float(rows[1][4]) > 0  # the TP collectives' time
+    from flashfsdp.sim.__main__ import main  # noqa: PLC0415
+
+    assert main(["--preset", "tiny", "--world-size", "4", "--tp", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "python -m flashfsdp.sim: error: llama_tp_model: tp must be an integer >= 1 dividing world_size=4, got 3")

@@ -76,11 +76,13 @@ class CommEngine:
         self.queues.setdefault(op.stream, collections.deque()).append(op)
         self._retire()
 
-    def compute(self, seconds: float) -> float:
-        """Run ``seconds`` of compute on the compute stream from now; returns when it ends."""
+    def compute(self, seconds: float, contended: bool = True) -> float:
+        """Run ``seconds`` of compute on the compute stream from now; returns when it ends.
+        ``contended=False``: the stream is busy but not computing (a collective on the compute path,
+        tensor parallelism's): host contention slows neither it nor the side streams."""
         work = seconds
         while work > EPS * max(1.0, self.now):
-            work -= self._step(work)
+            work -= self._step(work, contended)
         return self.now
 
     def finish(self, op: CommOp) -> float:
@@ -120,21 +122,22 @@ class CommEngine:
                 h.start = self.now
         return running, [h for h in heads if not self._can_run(h)]
 
-    def _step(self, work: float | None) -> float:
+    def _step(self, work: float | None, contended: bool = True) -> float:
         """Advance to the next event: a phase ends, a head becomes ready, or (``work`` given: the
-        compute stream busy) the compute ends. Returns the compute seconds done."""
+        compute stream busy, computing unless ``contended`` is False) the compute ends. Returns the
+        compute seconds done."""
         heads, waiting = self._heads()
         heads = [h for h in heads if h.phases]
         on_link = sum(1 for h in heads if h.phases[0][1])
         computing = work is not None
-        contended = [h for h in heads if h.phases[0][2]] if computing and self.contention is not None else []
+        slowed = [h for h in heads if h.phases[0][2]] if computing and contended and self.contention is not None else []
         rates = []
         for h in heads:
             rate = 1.0 / on_link if self.share_link and on_link > 1 and h.phases[0][1] else 1.0
-            if h in contended:
+            if h in slowed:
                 rate *= self.contention.rates(h.kind)[1]
             rates.append(rate)
-        compute_rate = min((self.contention.rates(h.kind)[0] for h in contended), default=1.0)
+        compute_rate = min((self.contention.rates(h.kind)[0] for h in slowed), default=1.0)
         times = [h.phases[0][0] / r for h, r in zip(heads, rates)] + [self._until_runnable(h) for h in waiting]
         if computing:
             times.append(work / compute_rate)

@@ -16,12 +16,52 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+TP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
 
 def _check_number(owner: str, name: str, value, *, integer: bool = False) -> None:
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok or not (value >= 0) or (not integer and not math.isfinite(value)):
         kind = "an integer" if integer else "a finite number"
         raise ValueError(f"{owner}: {name} must be {kind} >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TPOp:
+    """A tensor-parallel collective on a unit's compute path: the compute stream waits for it
+    (built from :mod:`flashfsdp.estimate.tp_comm`'s lists by :mod:`flashfsdp.sim.tensor_parallel`).
+
+    Attributes:
+        kind: "all_gather" (``nbytes``: its output), "reduce_scatter" (its input) or "all_reduce".
+        nbytes: bytes of the buffer, per rank of the TP group.
+        pass_: "forward" or "backward".
+        part: 0 or 1: before or after the nested units' compute in that pass (the root's
+            ``root_forward_before`` / ``root_backward_after`` split); a block's are all in part 0.
+        at: the fraction (0..1) of that part's compute done before it.
+        what: a label for timelines.
+
+    Raises:
+        ValueError: an unknown kind or pass, a part other than 0 or 1, ``at`` outside [0, 1], or
+            negative bytes (the message names the field).
+    """
+
+    kind: str
+    nbytes: int
+    pass_: str
+    part: int = 0
+    at: float = 0.0
+    what: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in TP_KINDS:
+            raise ValueError(f"TPOp: kind must be one of {', '.join(TP_KINDS)}, got {self.kind!r}")
+        if self.pass_ not in ("forward", "backward"):
+            raise ValueError(f"TPOp: pass_ must be 'forward' or 'backward', got {self.pass_!r}")
+        if self.part not in (0, 1) or isinstance(self.part, bool):
+            raise ValueError(f"TPOp: part must be 0 or 1, got {self.part!r}")
+        if isinstance(self.at, bool) or not isinstance(self.at, (int, float)) or not 0 <= self.at <= 1:
+            raise ValueError(f"TPOp: at must be a fraction in [0, 1], got {self.at!r}")
+        _check_number("TPOp", "nbytes", self.nbytes, integer=True)
 
 
 @dataclass(frozen=True)
@@ -43,6 +83,15 @@ class Unit:
         backward_reads_params: False for a unit whose backward reads none of its parameters (an
             embedding wrapped on its own): with backward all-gather elision (the runtime's default)
             it is not gathered for its backward (:mod:`flashfsdp.sim.elision`).
+        flat_numel: elements of the flat buffer as the runtime lays it out over one shard group
+            (alignment and padding included: ``flashfsdp.estimate.units``), a multiple of its size;
+            None: ``numel`` rounded up to a multiple of W.
+        reduce_numel: elements of the reduce-scatter's input as the runtime packs it over one
+            shard group (per rank its shard and a flag per parameter, padded:
+            ``runtime/reduce.py``'s ``ReduceLayout``), a multiple of its size; None: the padded
+            flat buffer's.
+        tp_ops: the tensor-parallel collectives on the unit's compute path, in step order
+            (:class:`TPOp`; none without tensor parallelism).
 
     Raises:
         ValueError: a negative size or time (the message names the field).
@@ -57,6 +106,9 @@ class Unit:
     state_bytes: int = 16
     all_gather_bytes: float | None = None
     backward_reads_params: bool = True
+    flat_numel: int | None = None
+    reduce_numel: int | None = None
+    tp_ops: tuple[TPOp, ...] = ()
 
     def __post_init__(self) -> None:
         owner = f"Unit {self.name!r}"
@@ -69,10 +121,32 @@ class Unit:
         _check_number(owner, "state_bytes", self.state_bytes, integer=True)
         if self.all_gather_bytes is not None:
             _check_number(owner, "all_gather_bytes", self.all_gather_bytes)
+        for attr in ("flat_numel", "reduce_numel"):
+            if getattr(self, attr) is not None:
+                _check_number(owner, attr, getattr(self, attr), integer=True)
+        object.__setattr__(self, "tp_ops", tuple(self.tp_ops))
+        if not all(isinstance(op, TPOp) for op in self.tp_ops):
+            raise ValueError(f"{owner}: tp_ops must hold flashfsdp.sim.TPOp values")
 
     def padded_numel(self, world_size: int) -> int:
-        """Elements of the flat buffer: ``numel`` rounded up to a multiple of W (T = W·S)."""
-        return -(-self.numel // world_size) * world_size
+        """Elements of the flat buffer: ``flat_numel`` if given, else ``numel`` rounded up to a
+        multiple of W (T = W·S).
+
+        Raises:
+            ValueError: ``flat_numel`` is not a multiple of ``world_size`` (laid out for another
+                shard group: build the unit for this one).
+        """
+        if self.flat_numel is None:
+            return -(-self.numel // world_size) * world_size
+        return self._laid_out("flat_numel", world_size)
+
+    def _laid_out(self, attr: str, world_size: int) -> int:
+        """``attr`` (a size laid out for one shard group), checked to be a multiple of W."""
+        value = getattr(self, attr)
+        if value % world_size:
+            raise ValueError(f"Unit {self.name!r}: {attr} {value} was laid out for another shard group than "
+                             f"{world_size} ranks (not a multiple); build the model for this world size")
+        return value
 
     def unsharded_bytes(self, world_size: int) -> int:
         """Bytes of the unsharded parameters (the all-gather's output)."""
@@ -86,8 +160,10 @@ class Unit:
         return self.padded_numel(world_size) * self.all_gather_bytes
 
     def reduce_bytes_total(self, world_size: int) -> int:
-        """Bytes of the packed gradients (the reduce-scatter's input)."""
-        return self.padded_numel(world_size) * (self.param_bytes if self.reduce_bytes is None else self.reduce_bytes)
+        """Bytes of the packed gradients (the reduce-scatter's input): ``reduce_numel`` elements if
+        given, else ``padded_numel``, in ``reduce_bytes``."""
+        numel = self.padded_numel(world_size) if self.reduce_numel is None else self._laid_out("reduce_numel", world_size)
+        return numel * (self.param_bytes if self.reduce_bytes is None else self.reduce_bytes)
 
     def sharded_state_bytes(self, world_size: int) -> int:
         """Bytes this rank keeps of the unit between steps: S elements × ``state_bytes``."""
@@ -108,9 +184,12 @@ class Model:
         loss_s: compute between the root's forward and its backward (the loss and its gradient), s.
         optimizer_s: compute after backward (optimizer step, zero_grad, next batch), seconds.
         name: a label for tables.
+        tp: the tensor-parallel degree the units were built for (their compute, bytes and
+            ``tp_ops`` per rank of a TP group; :mod:`flashfsdp.sim.tensor_parallel`); 1: none.
 
     Raises:
-        ValueError: a fraction outside [0, 1], a negative time, or two units with one name.
+        ValueError: a fraction outside [0, 1], a negative time, two units with one name, or a
+            ``tp`` that is not an integer >= 1.
     """
 
     root: Unit
@@ -121,6 +200,7 @@ class Model:
     optimizer_s: float = 0.0
     name: str = "model"
     info: dict = field(default_factory=dict, compare=False)
+    tp: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -130,6 +210,8 @@ class Model:
                 raise ValueError(f"Model {self.name!r}: {attr} must be a fraction in [0, 1], got {value!r}")
         _check_number(f"Model {self.name!r}", "loss_s", self.loss_s)
         _check_number(f"Model {self.name!r}", "optimizer_s", self.optimizer_s)
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"Model {self.name!r}: tp must be an integer >= 1, got {self.tp!r}")
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"Model {self.name!r}: unit names must be unique, got {names}")

@@ -42,6 +42,12 @@ Per step, the protocol's decisions (``runtime/step.py``) at the points ``FSDPSta
    but unused, and waits for every reduce-scatter.
 7. the optimizer step (``Model.optimizer_s``).
 
+Tensor parallelism (``ReplayOptions.tp_link`` and the model's ``tp``: see
+:mod:`flashfsdp.sim.tensor_parallel`): W is then the data-parallel size W / tp, and each unit's
+``tp_ops`` run on the compute stream at their place in its compute, each for the ring time of its
+collective over the tp ranks on the TP link: they delay the compute behind them, and the FSDP
+collectives on the side streams keep running meanwhile (the TP link is not theirs).
+
 HSDP (``replicate``: the replicate link and R, see :mod:`flashfsdp.sim.hierarchy`): W is then the
 shard group's size S, and each reduce-scatter is followed by an all-reduce of its 1/S shard across
 the R replicas, on the same FIFO: on a GPU issued right behind the reduce-scatter, on a CPU host
@@ -80,7 +86,7 @@ from flashfsdp.runtime.step import ReshardAfterForward, StepProtocol, UnitSettin
 from .contention import Contention
 from .engine import CommEngine, CommOp, Span
 from .link import Link
-from .model import Model, Unit
+from .model import Model, TPOp, Unit
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -98,6 +104,7 @@ class ReplayOptions:
     host_blocking: bool = False
     contention: Contention | None = None
     elide_backward_all_gather: bool = True  # skip units with ``backward_reads_params=False``
+    tp_link: Link | None = None  # the link of the tensor-parallel collectives (a model with ``tp`` > 1)
 
 
 @dataclass
@@ -186,6 +193,8 @@ class StepReplay:
         self.step_start = self.t
         self.exposed = self.host_copy = self.ag_cost = self.rs_cost = self.ar_cost = 0.0
         self.n_ag = 0
+        self.tp_cost = 0.0  # the TP collectives' time on the compute path
+        self.bytes = dict.fromkeys(COLLECTIVES + tuple(f"tp_{k}" for k in COLLECTIVES), 0)  # per rank
         self.phase = "forward"  # "backward" from the root's pre-backward
         self.ag_bytes = {"forward": 0, "backward": 0, "elided": 0}  # all-gather outputs (unsharded bytes)
         self.spans: list[Span] = []
@@ -197,6 +206,29 @@ class StepReplay:
             end = self.engine.compute(seconds)  # longer than ``seconds`` under host contention
             self.spans.append(Span("compute", kind, unit, self.t, end))
             self.t = end
+
+    def _run(self, unit: Unit, pass_: str, part: int, seconds: float) -> None:
+        """``seconds`` of the unit's compute in ``pass_`` (``part`` 0 or 1: before or after its
+        nested units'), its TP collectives of that part in between, where their ``at`` puts them."""
+        done = 0.0
+        for op in sorted((op for op in unit.tp_ops if op.pass_ == pass_ and op.part == part), key=lambda o: o.at):
+            self._compute(seconds * (op.at - done), pass_, unit.name)
+            done = op.at
+            self._tp_collective(op, unit.name)
+        self._compute(seconds * (1 - done), pass_, unit.name)
+
+    def _tp_collective(self, op: TPOp, name: str) -> None:
+        """A TP collective on the compute stream: the ring time over the model's tp ranks on the TP
+        link; the side streams run on meanwhile, host contention aside (it is not compute)."""
+        link, tp = self.options.tp_link, self.model.tp
+        cost = {"all_gather": link.all_gather_s, "reduce_scatter": link.reduce_scatter_s,
+                "all_reduce": link.all_reduce_s}[op.kind](op.nbytes, tp)
+        if cost > 0:
+            end = self.engine.compute(cost, contended=False)
+            self.spans.append(Span("compute", f"tp_{op.kind}", name, self.t, end))
+            self.t = end
+        self.tp_cost += cost
+        self.bytes[f"tp_{op.kind}"] += op.nbytes
 
     def _wait(self, op: CommOp, until: str = "end") -> None:
         end = self.engine.finish(op) if until == "end" else self.engine.started(op)
@@ -244,6 +276,7 @@ class StepReplay:
         st.shard = ShardState.UNSHARDING
         self.ag_cost += cost
         self.n_ag += 1
+        self.bytes["all_gather"] += st.unit.all_gather_bytes_total(self.W)
         self.ag_bytes[self.phase] += nbytes
 
     def wait_unshard(self, name: str) -> None:
@@ -312,6 +345,7 @@ class StepReplay:
         cost = self.link.reduce_scatter_s(nbytes, self.W)
         op = self._issue("reduce_scatter", name, self._collective_phases("reduce_scatter", cost))
         self.rs_cost += cost
+        self.bytes["reduce_scatter"] += nbytes
         if not self.options.host_blocking:
             self.held = op
         if self.replicas > 1 and not self.options.host_blocking:
@@ -327,6 +361,7 @@ class StepReplay:
         cost = self.replicate_link.all_reduce_s(nbytes, self.replicas)
         latency = min(cost, self.replicate_link.latency_s(self.replicas, "all_reduce"))
         self.ar_cost += cost
+        self.bytes["all_reduce"] += nbytes
         return self._issue("all_reduce", name, [[latency, False, True], [cost - latency, False, True]],
                            stream="reduce_scatter")
 
@@ -395,21 +430,21 @@ class StepReplay:
         self.step_protocol.start_step(self.keys())
         self._reset_step()
         self.pre_forward(root.name)
-        self._compute(root.forward_s * model.root_forward_before, "forward", root.name)
+        self._run(root, "forward", 0, root.forward_s * model.root_forward_before)
         for block in model.blocks:
             self.pre_forward(block.name)
-            self._compute(block.forward_s, "forward", block.name)
+            self._run(block, "forward", 0, block.forward_s)
             self.post_forward(block.name)
-        self._compute(root.forward_s * (1 - model.root_forward_before), "forward", root.name)
+        self._run(root, "forward", 1, root.forward_s * (1 - model.root_forward_before))
         self.post_forward(root.name)
         self._compute(model.loss_s, "loss", "")
         self.pre_backward(root.name)
-        self._compute(root.backward_s * (1 - model.root_backward_after), "backward", root.name)
+        self._run(root, "backward", 0, root.backward_s * (1 - model.root_backward_after))
         for block in reversed(model.blocks):
             self.pre_backward(block.name)
-            self._compute(block.backward_s, "backward", block.name)
+            self._run(block, "backward", 0, block.backward_s)
             self.post_backward(block.name)
-        self._compute(root.backward_s * model.root_backward_after, "backward", root.name)
+        self._run(root, "backward", 1, root.backward_s * model.root_backward_after)
         self.final_callback()
         self._compute(model.optimizer_s, "optimizer", "")
         self.engine.drain()

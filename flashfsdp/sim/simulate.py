@@ -28,8 +28,9 @@ class Prediction:
     """The simulator's prediction for one step (times in seconds, sizes in bytes).
 
     Attributes:
-        world_size: W (all ranks; under HSDP R·S).
-        link: the link's name (a :class:`~flashfsdp.sim.hierarchy.Hierarchy`'s: both links).
+        world_size: W (all ranks; under HSDP R·S; with tensor parallelism dp·tp).
+        link: the link's name (a :class:`~flashfsdp.sim.hierarchy.Hierarchy`'s: both links; with
+            tensor parallelism the TP link's after " + TP ").
         label: the setting's label (see :data:`SETTINGS`), or "".
         step_s: step time: from the root's pre-forward to the end of the optimizer step.
         compute_s: pure compute of the step (every unit's forward and backward, loss, optimizer).
@@ -50,6 +51,12 @@ class Prediction:
         all_gather_bytes_backward: bytes the step's backward all-gathers write (unsharded buffers).
         all_gather_bytes_elided: bytes of the backward all-gathers that elision skips (units with
             ``backward_reads_params=False``; :mod:`flashfsdp.sim.elision`).
+        tp: the tensor-parallel degree (1: none).
+        tp_comm_s: the TP collectives' time on the compute path (ring model on the TP link): part
+            of ``step_s``, not of ``exposed_s``.
+        collective_bytes: the step's bytes per rank by collective: "all_gather" (outputs),
+            "reduce_scatter" (inputs), "all_reduce" (HSDP: the reduced shards) over the data-parallel
+            ranks, and the same kinds prefixed "tp_" over the TP ranks.
     """
 
     world_size: int
@@ -70,11 +77,14 @@ class Prediction:
     replicas: int = 1
     all_gather_bytes_backward: int = 0
     all_gather_bytes_elided: int = 0
+    tp: int = 1
+    tp_comm_s: float = 0.0
+    collective_bytes: dict = field(default_factory=dict)
 
     @property
     def comm_s(self) -> float:
-        """All communication of the step (seconds), overlapped or not."""
-        return self.all_gather_s + self.reduce_scatter_s + self.all_reduce_s
+        """All communication of the step (seconds), overlapped or not (the TP collectives' too)."""
+        return self.all_gather_s + self.reduce_scatter_s + self.all_reduce_s + self.tp_comm_s
 
     @property
     def efficiency(self) -> float:
@@ -94,17 +104,19 @@ def simulate(model: Model, world_size: int, link: "Link | str | Hierarchy", *, p
              backward_prefetch: Mapping[str, Sequence[str]] | None = None, shared_comm_stream: bool = False,
              share_link_bandwidth: bool = False, host_blocking: bool = False,
              copy_bandwidth: float | None = None, contention: Contention | None = None, steps: int = 2,
-             record_timeline: bool = False, label: str = "", elide_backward_all_gather: bool = True) -> Prediction:
+             record_timeline: bool = False, label: str = "", elide_backward_all_gather: bool = True,
+             tp_link: "Link | str" = "nvlink") -> Prediction:
     """Predict one training step of ``model`` on ``world_size`` ranks (the step replayed: see
     :mod:`flashfsdp.sim.replay`).
 
     Args:
         model: the units and their compute (seconds) and bytes (:mod:`flashfsdp.sim.model`).
-        world_size: ranks W >= 1.
-        link: a :class:`~flashfsdp.sim.link.Link` or a name in :data:`~flashfsdp.sim.link.LINKS`;
-            or a :class:`~flashfsdp.sim.hierarchy.Hierarchy` for HSDP (units sharded over its
-            ``shard_size`` ranks on its shard link, each reduced shard all-reduced across the
-            W / S replicas on its replicate link).
+        world_size: ranks W >= 1; a model built for ``tp`` > 1 (:mod:`flashfsdp.sim.tensor_parallel`)
+            runs on a (W / tp, tp) layout: its units sharded over the W / tp data-parallel ranks.
+        link: a :class:`~flashfsdp.sim.link.Link` or a name in :data:`~flashfsdp.sim.link.LINKS`
+            (the data-parallel ranks' link); or a :class:`~flashfsdp.sim.hierarchy.Hierarchy` for
+            HSDP (units sharded over its ``shard_size`` ranks on its shard link, each reduced shard
+            all-reduced across the W / S replicas on its replicate link; not with tensor parallelism).
         policy: the runtime's prefetch policy (default ``PrefetchPolicy()``: forward and backward
             prefetch, at most 2 in flight).
         reshard_after_forward: free non-root units after forward (re-gathered for backward).
@@ -124,12 +136,15 @@ def simulate(model: Model, world_size: int, link: "Link | str | Hierarchy", *, p
         label: a label carried into the prediction.
         elide_backward_all_gather: skip the backward all-gather of units whose backward reads no
             parameter (``Unit.backward_reads_params``), as the runtime does by default.
+        tp_link: the link of the tensor-parallel collectives (a model with ``tp`` > 1): a Link or
+            a name of ``LINKS`` (default "nvlink": a TP group within a node).
 
     Returns:
         the last step's :class:`Prediction`.
 
     Raises:
         ValueError: W < 1, an unknown link name, a Hierarchy whose shard size does not divide W,
+            a model's ``tp`` that does not divide W (or with a Hierarchy),
             steps < 1, a bad copy bandwidth, a ``contention``
             that is not a Contention, or an explicit prefetch list naming an unknown unit (the
             message names the argument).
@@ -138,13 +153,15 @@ def simulate(model: Model, world_size: int, link: "Link | str | Hierarchy", *, p
                                 backward_prefetch)
     options = ReplayOptions(policy if policy is not None else PrefetchPolicy(), reshard_after_forward,
                             forward_prefetch, backward_prefetch, shared_comm_stream, share_link_bandwidth,
-                            host_blocking, contention, bool(elide_backward_all_gather))
+                            host_blocking, contention, bool(elide_backward_all_gather),
+                            get_link(tp_link) if model.tp > 1 else None)
     return _prediction(_replay(model, world_size, link, options, steps, copy_bandwidth), label, record_timeline)
 
 
 def _replay(model: Model, world_size: int, link: "Link | Hierarchy", options: ReplayOptions, steps: int,
             copy_bandwidth: float | None, peers: tuple = (None, None)) -> StepReplay:
     """``steps`` steps of one rank (``peers``: the other ranks' issue and end times, or None)."""
+    world_size //= model.tp  # the data-parallel ranks (the TP collectives are the units' ``tp_ops``)
     replicate = None
     if isinstance(link, Hierarchy):  # shard over S ranks on the shard link, all-reduce across R
         world_size, link, replicate = link.shard_size, link.shard_link, (link.replicate_link, link.replicas(world_size))
@@ -159,12 +176,18 @@ def _check_simulate_args(model, world_size, link, steps, copy_bandwidth, content
     """The checks of :func:`simulate` (raising ValueError naming the argument); returns the Link
     (or the Hierarchy)."""
     check_world_size(world_size)
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a flashfsdp.sim.Model, got {type(model).__name__}")
+    if world_size % model.tp:
+        raise ValueError(f"world_size {world_size} is not a multiple of the model's tp {model.tp}: a (dp, tp) "
+                         "layout needs dp x tp ranks")
     if isinstance(link, Hierarchy):
+        if model.tp > 1:
+            raise ValueError("link: a Hierarchy (HSDP) with tensor parallelism is not modelled; pass the "
+                             "data-parallel ranks' Link")
         link.replicas(world_size)
     else:
         link = get_link(link)
-    if not isinstance(model, Model):
-        raise ValueError(f"model must be a flashfsdp.sim.Model, got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if copy_bandwidth is not None and not (isinstance(copy_bandwidth, (int, float)) and copy_bandwidth > 0):
@@ -185,15 +208,17 @@ def _prediction(runtime: StepReplay, label: str, record_timeline: bool) -> Predi
     model, world_size = runtime.model, runtime.W  # (the shard group's under HSDP)
     sharded = sum(u.sharded_state_bytes(world_size) for u in model.units)
     link = runtime.link.name if runtime.replicas == 1 else f"{runtime.link.name} / {runtime.replicate_link.name}"
+    link += f" + TP {runtime.options.tp_link.name}" if model.tp > 1 else ""
     return Prediction(
-        world_size=world_size * runtime.replicas, link=link, label=label, step_s=runtime.t - runtime.step_start,
+        world_size=world_size * runtime.replicas * model.tp, link=link, label=label, step_s=runtime.t - runtime.step_start,
         compute_s=model.compute_s(), exposed_s=runtime.exposed, host_copy_s=runtime.host_copy,
         all_gather_s=runtime.ag_cost, reduce_scatter_s=runtime.rs_cost, all_gathers=runtime.n_ag,
         comm_busy_s=runtime.comm_busy(),
         peak_bytes=sharded + runtime.peak_step_bytes(), sharded_bytes=sharded,
         timeline=runtime.timeline() if record_timeline else [], all_reduce_s=runtime.ar_cost,
         replicas=runtime.replicas, all_gather_bytes_backward=runtime.ag_bytes["backward"],
-        all_gather_bytes_elided=runtime.ag_bytes["elided"],
+        all_gather_bytes_elided=runtime.ag_bytes["elided"], tp=model.tp, tp_comm_s=runtime.tp_cost,
+        collective_bytes=dict(runtime.bytes),
     )
 
 
@@ -209,7 +234,7 @@ def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str |
                    share_link_bandwidth: bool = False, host_blocking: bool = False,
                    copy_bandwidth: "float | None | Sequence[float | None]" = None,
                    contention: Contention | None = None, steps: int = 2, record_timeline: bool = False,
-                   label: str = "") -> list[Prediction]:
+                   label: str = "", tp_link: "Link | str" = "nvlink") -> list[Prediction]:
     """Predict one step on each of several ranks, each with its own compute, coupled by the collectives.
 
     :func:`simulate` follows one rank and lets a collective start as soon as that rank issued it. A
@@ -245,7 +270,7 @@ def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str |
         _check_simulate_args(models[0], world_size, link, steps, c, contention, None, None)
     options = ReplayOptions(policy if policy is not None else PrefetchPolicy(), reshard_after_forward,
                             forward_prefetch, backward_prefetch, shared_comm_stream, share_link_bandwidth,
-                            host_blocking, contention)
+                            host_blocking, contention, True, get_link(tp_link) if models[0].tp > 1 else None)
     runs = _couple(lambda r, peers: _replay(models[r], world_size, link, options, steps, copies[r], peers),
                    len(models))
     return [_prediction(rt, label, record_timeline) for rt in runs]

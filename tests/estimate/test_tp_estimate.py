@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashfsdp.estimate import estimate
 from flashfsdp.models import Llama, LlamaConfig
 from tests.harness import run_distributed
-
-CONFIG = LlamaConfig(dim=32, n_layers=2, n_heads=4, multiple_of=16, max_seq_len=8)
-ROWS = 3  # sequences per data-parallel rank
+from tests.tp_run import CONFIG, ROWS, measure_2x2
 
 
 def test_split_weights_are_divided_by_dp_tp_and_norms_by_dp():
@@ -53,54 +49,8 @@ def test_shard_placement_fn_lays_out_along_its_dim():
     assert along_1.master_bytes == 4 * 12  # 4 columns of 3 per rank
 
 
-class _Collectives(TorchDispatchMode):
-    """Bytes of the collectives dispatched: DTensor's functional ones ("tp") and c10d's ("fsdp")."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        kind = {"_c10d_functional": "tp", "c10d": "fsdp"}.get(func.namespace)
-        name = func._opname
-        if kind is not None and ("gather" in name or "scatter" in name or "reduce" in name):
-            gathered = "gather" in name
-            tensor = out if gathered and kind == "tp" else args[0]
-            tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
-            op = "all_gather" if gathered else "reduce_scatter" if "scatter" in name else "all_reduce"
-            key = (kind, op)
-            self.bytes[key] = self.bytes.get(key, 0) + tensor.numel() * tensor.element_size()
-        return out
-
-
-def _measure(rank: int, world_size: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from flashfsdp import fully_shard  # noqa: PLC0415
-    from flashfsdp.models.tp_plan import parallelize_llama_tp  # noqa: PLC0415
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = Llama(CONFIG)
-    model.init_weights(0)
-    parallelize_llama_tp(model, mesh["tp"])
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, CONFIG.vocab_size, (ROWS, CONFIG.max_seq_len + 1),
-                           generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
-    for _ in range(2):
-        with _Collectives() as seen:
-            logits = model(tokens[:, :-1])
-            F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        optim.step()
-        optim.zero_grad()
-    local = [t.to_local() if hasattr(t, "to_local") else t for s in optim.state.values() for t in s.values()]
-    return {"collectives": seen.bytes, "optimizer": sum(t.numel() * t.element_size() for t in local)}
-
-
 def test_estimate_matches_a_2x2_dp_tp_run():
-    results = run_distributed(_measure, 4)
+    results = run_distributed(measure_2x2, 4)
     est = estimate(CONFIG, 4, tp=2, tokens=ROWS * CONFIG.max_seq_len)
     assert max(r["optimizer"] for r in results) == est.optimizer_bytes
     for r in results:
