@@ -17,7 +17,9 @@ policy (``replay.py``):
   an int ``reshard_after_forward`` k, the 1/k slices kept after forward and until the backward
   ends), the unsharded gradients
   of the unit in backward (and of the root, whose backward spans the whole backward), the
-  reduce-scatter buffers (packed T and reduced S elements in ``reduce_dtype``, two units' at once).
+  reduce-scatter buffers (in ``reduce_dtype``, two units' at once: the packed input of W segments and
+  the reduced segment, each segment R the shard's S elements and one flag per parameter, padded to
+  the alignment, as ``runtime/reduce.py`` packs them).
   Activations are not counted (they depend on batch, sequence and checkpointing).
 
 With ``tp`` > 1 the W ranks form a (W / tp, tp) mesh: the Llama TP plan (``flashfsdp.models.tp_plan``,

@@ -18,6 +18,7 @@ from torch import nn
 from flashfsdp.models.tp_plan import tp_local_shape
 from flashfsdp.runtime.layout import ShardLayout, align_elements
 from flashfsdp.runtime.quantized_gather import group_all_gather_nbytes
+from flashfsdp.runtime.reduce import segment_numel
 from flashfsdp.runtime.sharding_spec import local_of
 
 
@@ -46,6 +47,13 @@ class GroupSpec:
         local chunks, which is what a stock optimizer keeps state for (rank 0: FSDP2's chunks
         are full up to the last rank that holds rows)."""
         return sum(self.layout.local_numel(0, i) for i in range(len(self.layout.shapes)))
+
+    @property
+    def reduce_segment(self) -> int:
+        """R, the elements of one rank's reduce-scatter segment as the runtime packs the group's
+        gradients (``runtime/reduce.py``: the shard's S elements and one flag per parameter,
+        padded to the alignment); the reduce-scatter's input is W of them."""
+        return segment_numel(self.layout, len(self.layout.shapes))
 
     @property
     def gathered_bytes(self) -> int:
@@ -102,19 +110,25 @@ class UnitSpec:
         """Autograd's gradients of the unsharded parameters (``param_dtype``, no padding)."""
         return self._sum(lambda g: sum(g.layout.numels) * g.param_bytes, trainable_only=True)
 
+    def reduce_scatter_numel(self) -> int:
+        """Elements of the reduce-scatter's inputs: W segments of ``GroupSpec.reduce_segment``
+        (shard and flags) per trainable group, as the runtime packs them."""
+        return self._sum(lambda g: g.layout.world_size * g.reduce_segment, trainable_only=True)
+
     def reduce_buffer_bytes(self) -> int:
-        """One reduction's buffers: the packed input (W·S) and the reduced shard (S) in ``reduce_dtype``."""
-        return self._sum(lambda g: (g.layout.gathered_size + g.layout.shard_size) * g.reduce_bytes,
+        """One reduction's buffers: the packed input (W·R) and the reduced segment (R) in
+        ``reduce_dtype`` (R: ``GroupSpec.reduce_segment``)."""
+        return self._sum(lambda g: (g.layout.world_size + 1) * g.reduce_segment * g.reduce_bytes,
                          trainable_only=True)
 
     def reduce_scatter_bytes(self) -> int:
-        """The reduce-scatter's input (W·S elements in ``reduce_dtype`` per trainable group)."""
-        return self._sum(lambda g: g.layout.gathered_size * g.reduce_bytes, trainable_only=True)
+        """The reduce-scatter's input (W·R elements in ``reduce_dtype`` per trainable group)."""
+        return self._sum(lambda g: g.layout.world_size * g.reduce_segment * g.reduce_bytes, trainable_only=True)
 
     def reduced_shard_bytes(self) -> int:
-        """The reduce-scatter's output (S elements in ``reduce_dtype`` per trainable group): what
-        HSDP all-reduces across replicas."""
-        return self._sum(lambda g: g.layout.shard_size * g.reduce_bytes, trainable_only=True)
+        """The reduce-scatter's output (R elements in ``reduce_dtype`` per trainable group, the
+        shard and its flags): what HSDP all-reduces across replicas."""
+        return self._sum(lambda g: g.reduce_segment * g.reduce_bytes, trainable_only=True)
 
     def optimizer_state_bytes(self, buffers: int) -> int:
         """``buffers`` tensors of the size and dtype of the busiest rank's trainable local chunks

@@ -69,6 +69,13 @@ def divide_factors(unit: "ShardedUnit", reduce_dtype: torch.dtype) -> tuple[floa
     return f_pre, f_post
 
 
+def segment_numel(layout: ShardLayout, params: int) -> int:
+    """R, the elements of one rank's reduce-scatter segment (the reduce-scatter's output; its input
+    is W of them) over ``layout`` with ``params`` parameters reduced: the shard's S elements, then
+    one flag per parameter, padded to the layout's alignment."""
+    return layout.shard_size + -(-params // layout.align) * layout.align
+
+
 class ReduceLayout:
     """The reduce-scatter layout of one reduction of a group (built once per pattern of trainable
     parameters and kept on the group).
@@ -78,7 +85,7 @@ class ReduceLayout:
             parameters' sub-layout).
         keep: the group's index of each parameter of ``layout``.
         segment: R, the elements of one rank's segment (the reduce-scatter output): the shard's
-            S elements, then one flag per parameter, padded to the alignment.
+            S elements, then one flag per parameter, padded to the alignment (:func:`segment_numel`).
         entries: what :func:`pack` moves, per non-empty chunk: ``(group parameter index, offset in
             the flattened gradient, offset in the packed buffer, elements)``.
         strided: ``(group parameter index, index in layout)`` of each ``Shard(k)`` parameter
@@ -87,8 +94,7 @@ class ReduceLayout:
 
     def __init__(self, layout: ShardLayout, keep: tuple[int, ...]):
         self.layout, self.keep = layout, keep
-        align = layout.align
-        self.segment = layout.shard_size + -(-len(keep) // align) * align
+        self.segment = segment_numel(layout, len(keep))
         self.entries = tuple((keep[s.param_index], s.param_offset, s.rank * self.segment + layout.offsets[s.param_index],
                               s.numel) for s in layout.segments)
         self.strided = tuple((keep[i], i) for i in layout.strided)

@@ -34,7 +34,6 @@ from flashfsdp.estimate.tp_comm import TPCollective, block_tp_collectives, root_
 from flashfsdp.estimate.units import UnitSpec, build_units, param_placement
 from flashfsdp.models import Llama, LlamaConfig, config_from_preset
 from flashfsdp.models.tp_plan import check_tp_degree
-from flashfsdp.runtime.reduce import ReduceLayout
 
 from .link import check_world_size
 from .model import LlamaShape, Model, TPOp, Unit, llama_model
@@ -62,8 +61,8 @@ def _ops(collectives: tuple[TPCollective, ...], attention: float) -> tuple[TPOp,
 
 def _flat(spec: UnitSpec) -> dict:
     """``Unit`` fields of the unit's runtime layout: its gathered flat size, its reduce-scatter's
-    input size (the runtime's ``ReduceLayout``: per rank the shard and a flag per parameter,
-    padded) and bytes per element.
+    input size (``UnitSpec.reduce_scatter_numel``, the runtime's packing: per rank the shard and a
+    flag per parameter, padded) and bytes per element.
 
     Raises:
         ValueError: the unit's flat groups differ in ``param_dtype`` or ``reduce_dtype`` (one
@@ -73,10 +72,8 @@ def _flat(spec: UnitSpec) -> dict:
     if len(kinds) > 1:
         raise ValueError(f"llama_tp_model: unit {spec.name!r} has flat groups of several dtypes {sorted(kinds)}")
     param_bytes, reduce_bytes = kinds.pop()
-    reduce_numel = sum(g.layout.world_size * ReduceLayout(g.layout, tuple(range(len(g.layout.shapes)))).segment
-                       for g in spec.groups if g.trainable)
     return {"numel": spec.numel, "flat_numel": sum(g.layout.gathered_size for g in spec.groups),
-            "reduce_numel": reduce_numel, "param_bytes": param_bytes, "reduce_bytes": reduce_bytes}
+            "reduce_numel": spec.reduce_scatter_numel(), "param_bytes": param_bytes, "reduce_bytes": reduce_bytes}
 
 
 def llama_tp_model(config: LlamaConfig | str, world_size: int, tp: int, *, tokens: int = 8192,

@@ -5,8 +5,10 @@ Each rank shards a small Llama (one unit per block, then the root), trains three
 every unshard, adds up what every unit holds (``ShardedUnit.memory_bytes``: master and gradient
 shards, post-forward slices, unsharded buffers and gathered buffers not yet copied out). The largest sum over steps 2-3 is compared
 with ``Estimate.unit_holdings_bytes`` (within 5%), the all-gathers of step 3 with the estimate's
-(their outputs' bytes: int8 packed buffers with ``all_gather_dtype=torch.int8``),
-and the optimizer state of the busiest rank with ``Estimate.optimizer_bytes``.
+(their outputs' bytes: int8 packed buffers with ``all_gather_dtype=torch.int8``), the
+reduce-scatters' inputs of step 3 on every rank with the estimate's (each rank's segment: its shard
+and a flag per parameter, padded), and the optimizer state of the busiest rank with
+``Estimate.optimizer_bytes``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ def _instrument(units: list, log: dict) -> None:
             return result
 
         unit.unshard = unshard
+    for comm in {id(c): c for c in (u.rs_comm or u.comm for u in units)}.values():
+        def reduce_scatter(out, inp, *args, original=comm.reduce_scatter_tensor, **kwargs):
+            log["reduce_scatters"].append(inp.numel() * inp.element_size())
+            return original(out, inp, *args, **kwargs)
+
+        comm.reduce_scatter_tensor = reduce_scatter
 
 
 def _policy(param_dtype: str) -> flashfsdp.MixedPrecisionPolicy:
@@ -59,12 +67,12 @@ def _measure(rank: int, param_dtype: str, reshard) -> dict:
     flashfsdp.fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     units = list({id(unit_of(p)): unit_of(p) for p in model.parameters()}.values())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    log = {"gathers": [], "held": []}
+    log = {"gathers": [], "held": [], "reduce_scatters": []}
     _instrument(units, log)
     tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.max_seq_len), generator=torch.Generator().manual_seed(rank))
     held_from_step_2 = []
     for step in range(3):
-        log["gathers"], log["held"] = [], []
+        log["gathers"], log["held"], log["reduce_scatters"] = [], [], []
         model(tokens).float().logsumexp(-1).mean().backward()
         optim.step()
         optim.zero_grad(set_to_none=False)
@@ -73,7 +81,8 @@ def _measure(rank: int, param_dtype: str, reshard) -> dict:
     # the state of a DTensor parameter is a DTensor: this rank holds its local tensor
     local = [getattr(t, "to_local", lambda t=t: t)() for s in optim.state.values() for t in s.values() if torch.is_tensor(t)]
     optim_bytes = sum(t.numel() * t.element_size() for t in local)
-    return {"held": max(held_from_step_2), "gathers": log["gathers"], "optimizer": optim_bytes}
+    return {"held": max(held_from_step_2), "gathers": log["gathers"], "optimizer": optim_bytes,
+            "reduce_scatter": sum(log["reduce_scatters"])}
 
 
 def _cases(rank: int, world_size: int, cases: list) -> list:
@@ -93,6 +102,8 @@ def _check(cases: list, results: list, world_size: int) -> None:
         assert (forward, sum(n for _, n in gathers) - forward) == (
             est.comm.all_gather_forward, est.comm.all_gather_backward), case
         assert max(m["optimizer"] for m in measured) == est.optimizer_bytes, case
+        # the reduce-scatters' inputs: every rank's segment holds its shard and a flag per parameter
+        assert {m["reduce_scatter"] for m in measured} == {est.comm.reduce_scatter}, case
 
 
 def test_estimate_matches_runtime_holdings_at_two_ranks():

@@ -1,8 +1,9 @@
 """The estimate at a (dp, tp) layout: states divided by dp·tp for split weights and by dp for the
 replicated norms, FSDP collectives over the dp ranks, the TP plan's activation collectives; checked
 against flashfsdp at a 2x2 (dp, tp) layout on CPU gloo ranks (collectives counted as they are
-dispatched: DTensor's functional collectives are the TP ones, c10d's the FSDP ones; optimizer
-state of the busiest rank); bad input named; shard_placement_fn lays out along its dim."""
+dispatched: DTensor's functional collectives are the TP ones, c10d's the FSDP ones, the
+reduce-scatters' inputs included; optimizer state of the busiest rank); bad input named;
+shard_placement_fn lays out along its dim."""
 
 from __future__ import annotations
 
@@ -59,3 +60,5 @@ def test_estimate_matches_a_2x2_dp_tp_run():
         assert seen[("tp", "reduce_scatter")] == est.tp_comm.reduce_scatter
         assert seen.get(("tp", "all_reduce"), 0) == est.tp_comm.all_reduce, seen
         assert seen[("fsdp", "all_gather")] == est.comm.all_gather_forward + est.comm.all_gather_backward, seen
+        # gloo runs a reduce-scatter as an all-reduce of its input (tests/tp_run.py): shards and flags
+        assert seen[("fsdp", "all_reduce")] == est.comm.reduce_scatter, seen
