@@ -26,26 +26,27 @@ def _metrics(out) -> list[dict]:
 
 def test_train_two_ranks_then_resume_at_one(tmp_path):
     out = tmp_path / "run"
-    done = _train("--preset", "tiny", "--steps", "16", "--out", str(out), "--eval-every", "8", "--save-every", "16",
+    # 8 steps: the loss falls by more than 1 nat/byte by step 5 (train and validation)
+    done = _train("--preset", "tiny", "--steps", "8", "--out", str(out), "--eval-every", "4", "--save-every", "8",
                   "--sample-tokens", "24")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _metrics(out)
     train = {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert {r["world_size"] for r in rows if "world_size" in r} == {2}
-    assert train[16] < train[1] - 1.0 and val[-1] < val[0] - 1.0
-    assert latest(str(out / "checkpoints")).endswith("step_16")
+    assert train[8] < train[1] - 1.0 and val[-1] < val[0] - 1.0
+    assert latest(str(out / "checkpoints")).endswith("step_8")
     assert (out / "loss.png").stat().st_size > 0 and (out / "samples.txt").read_text().strip()
     saved_val = val[-1]
 
-    resumed = _train("--resume", "--out", str(out), "--nproc", "1", "--steps", "18")
+    resumed = _train("--resume", "--out", str(out), "--nproc", "1", "--steps", "10")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = _metrics(out)
     (first,) = [r for r in rows if r.get("resumed")]
-    assert first["step"] == 16 and first["world_size"] == 1
+    assert first["step"] == 8 and first["world_size"] == 1
     assert first["val_loss"] == pytest.approx(saved_val, rel=1e-4)  # the saved model, at another W
-    assert [r["step"] for r in rows if "train_loss" in r][-2:] == [17, 18]
-    assert latest(str(out / "checkpoints")).endswith("step_18")
+    assert [r["step"] for r in rows if "train_loss" in r][-2:] == [9, 10]
+    assert latest(str(out / "checkpoints")).endswith("step_10")
 
 
 @pytest.mark.parametrize(
