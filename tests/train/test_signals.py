@@ -1,8 +1,9 @@
-"""flashfsdp-train stopped by SIGINT or SIGTERM: a signal to the launcher after a few steps leaves a
-complete final checkpoint of the step it reports, its summary and plot, and exits with 128 + the
-signal; the launcher says so only when that checkpoint is on disk; the resumption is recorded in
-run.json and clears stopped.json; while the job runs, a second job into its --out exits 2 naming
-the holder (the run lock's pieces: test_run_lock.py); the pieces (`StopFlag`, the stop record) alone."""
+"""flashfsdp-train stopped by SIGINT (Ctrl-C: to the process group) or SIGTERM (to the launcher)
+after a few steps leaves a complete final checkpoint of the step it reports, its summary and
+plot, and exits with 128 + the signal; the launcher says so only when that checkpoint is on disk;
+the resumption is recorded in run.json and clears stopped.json; while the job runs, a second job
+into its --out exits 2 naming the holder (the run lock's pieces: test_run_lock.py); the pieces
+(`StopFlag`, the stop record) alone."""
 
 from __future__ import annotations
 
@@ -73,8 +74,10 @@ def _trained_a_step(out) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_launcher_saves_the_step_it_reports_and_the_run_resumes(tmp_path, sig):
-    """The SIGTERM run is also the running job of the run lock's end-to-end check (one launch for
+def test_a_stop_signal_saves_the_step_it_reports_and_the_run_resumes(tmp_path, sig):
+    """SIGINT goes to the whole process group, as a terminal's Ctrl-C does (every worker gets it
+    directly as well); SIGTERM to the launcher only, as a scheduler's kill does (its agent forwards
+    it). The SIGTERM run is also the running job of the run lock's end-to-end check (one launch for
     both): a second job into its --out exits 2 with one line naming it as the holder."""
     out = tmp_path / "run"
     proc = _start(tmp_path, *_tiny(out))
@@ -84,7 +87,10 @@ def test_a_signal_to_the_launcher_saves_the_step_it_reports_and_the_run_resumes(
             second = subprocess.run([sys.executable, "-m", "flashfsdp.train", *_tiny(out)], capture_output=True,
                                     text=True, env=_env(), timeout=TIMEOUT_S)
             assert proc.poll() is None
-        os.kill(proc.pid, sig)  # the launcher only: its elastic agent forwards it to the workers
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C sends: the launcher and every worker
+        else:
+            os.kill(proc.pid, sig)  # the launcher only: its elastic agent forwards it to the workers
     finally:
         code = _finish(proc)
     stderr = (tmp_path / "stderr.txt").read_text()

@@ -1,4 +1,5 @@
-"""flashfsdp-train end to end: 2 ranks on CPU, loss falls, checkpoint, resume at 1 rank; bad input."""
+"""flashfsdp-train end to end: 2 ranks on CPU, loss falls, checkpoint, resume at 1 rank; bad input
+(Ctrl-C and other stop signals: test_signals.py)."""
 
 from __future__ import annotations
 
@@ -75,37 +76,3 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, args, messag
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in stderr
     assert not (out / "checkpoints").exists()
-
-
-def test_ctrl_c_saves_a_final_checkpoint(tmp_path):
-    """SIGINT to the whole process group (what a terminal's Ctrl-C sends): every rank stops after
-    the same step, a checkpoint of that step is saved and the exit code is 130 (that such a
-    checkpoint resumes, at another number of ranks: test_signals.py and test_run_lock.py)."""
-    import signal  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flashfsdp.train", "--preset", "tiny", "--steps", "1000", "--out", str(out),
-         "--eval-every", "1000", "--save-every", "1000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (out / "metrics.jsonl").exists() and any("train_loss" in r for r in _metrics(out)):
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, stderr[-3000:]
-    assert "interrupted; the workers saved a final checkpoint" in stderr
-    last = max(r["step"] for r in _metrics(out) if "train_loss" in r)
-    assert 1 <= last < 1000
-    assert latest(str(out / "checkpoints")).endswith(f"step_{last}")
