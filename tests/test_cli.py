@@ -69,32 +69,37 @@ def test_usage_errors_are_one_line_before_torch(argv, message):
     assert len(lines) == 1 and lines[0].startswith("flashfsdp-train") and message in lines[0], done.stderr
 
 
-def _estimate(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flashfsdp.estimate", *argv], capture_output=True, text=True,
-                          timeout=300)
+def _estimate(capsys, *argv: str) -> tuple[int, str, str]:
+    """`python -m flashfsdp.estimate` run in this process (its `main`, which the module runs): the
+    exit code, stdout and stderr. Only the closed pipe below needs a process of its own."""
+    from flashfsdp.estimate.__main__ import main  # noqa: PLC0415
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_estimate_names_its_dtypes_first_and_prints_human_units():
-    done = _estimate("--preset", "tiny", "--world-size", "8", "--table", "8")
-    assert done.returncode == 0, done.stderr
-    first = done.stdout.splitlines()[0]
+def test_estimate_names_its_dtypes_first_and_prints_human_units(capsys):
+    code, out, err = _estimate(capsys, "--preset", "tiny", "--world-size", "8", "--table", "8")
+    assert code == 0, err
+    first = out.splitlines()[0]
     assert first.startswith("Llama tiny: ") and "dtypes assumed: float32 master weights" in first
     assert "param_dtype fp32 (default), reduce_dtype fp32 (= param_dtype)" in first
-    assert " 0.00" not in done.stdout and " KiB" in done.stdout
-    bf16 = _estimate("--preset", "tiny", "--world-size", "8", "--param-dtype", "bf16", "--table")
-    assert "param_dtype bf16, reduce_dtype bf16 (= param_dtype)" in bf16.stdout.splitlines()[0]
+    assert " 0.00" not in out and " KiB" in out
+    _, bf16, _ = _estimate(capsys, "--preset", "tiny", "--world-size", "8", "--param-dtype", "bf16", "--table")
+    assert "param_dtype bf16, reduce_dtype bf16 (= param_dtype)" in bf16.splitlines()[0]
 
 
-def test_estimate_of_a_transformers_config(tmp_path):
+def test_estimate_of_a_transformers_config(tmp_path, capsys):
     pytest.importorskip("transformers")
     config = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 3, "num_attention_heads": 4, "architectures": ["LlamaForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    done = _estimate("--hf-config", str(tmp_path / "config.json"), "--world-size", "2", "--table")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("LlamaForCausalLM (llama): ") and ", 4 units, W = 2;" in done.stdout
-    bad = _estimate("--hf-config", str(tmp_path / "missing.json"), "--world-size", "2")
-    assert bad.returncode == 2 and bad.stderr.startswith("python -m flashfsdp.estimate: error: --hf-config ")
+    code, out, err = _estimate(capsys, "--hf-config", str(tmp_path / "config.json"), "--world-size", "2", "--table")
+    assert code == 0, err
+    assert out.startswith("LlamaForCausalLM (llama): ") and ", 4 units, W = 2;" in out
+    code, _, err = _estimate(capsys, "--hf-config", str(tmp_path / "missing.json"), "--world-size", "2")
+    assert code == 2 and err.startswith("python -m flashfsdp.estimate: error: --hf-config ")
 
 
 def test_estimate_survives_a_closed_pipe():

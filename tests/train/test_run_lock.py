@@ -1,13 +1,14 @@
-"""One run per output folder: a second job into a running job's --out exits 2 naming the holder;
-a dead holder's lock is taken over with a message; an interrupted run still writes its summary
-and plot, and its resumption is recorded in run.json and clears stopped.json."""
+"""One run per output folder: the lock is refused to another process and released on exit; a dead
+holder's lock is taken over with a message; the holder is named. End to end (a second job into a
+running job's --out exits 2 naming the holder; an interrupted run writes its summary and plot and
+leaves no lock; its resumption is recorded in run.json and clears stopped.json) these share the
+launch of test_signals.py's SIGTERM run."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,40 +16,6 @@ import sys
 import pytest
 
 from flashfsdp.train.run_lock import LOCK_FILE, RunLock, RunLocked
-from tests.train.test_signals import _finish, _start, _tiny, _trained_a_step, _wait_until
-
-
-def test_a_second_job_into_a_running_jobs_out_exits_2_naming_the_holder(tmp_path):
-    out = tmp_path / "run"
-    first = _start(tmp_path, *_tiny(out))
-    try:
-        _wait_until(lambda: _trained_a_step(out), first, "training step")
-        second = subprocess.run([sys.executable, "-m", "flashfsdp.train", *_tiny(out)], capture_output=True,
-                                text=True, timeout=240)
-        assert first.poll() is None
-        os.kill(first.pid, signal.SIGTERM)
-    finally:
-        code = _finish(first)
-    assert second.returncode == 2, second.stderr[-2000:]
-    lines = second.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"is in use by another run (host {socket.gethostname()}, pid {first.pid}, " \
-                                "started " in lines[0], second.stderr
-    assert code == 128 + signal.SIGTERM, (tmp_path / "stderr.txt").read_text()[-3000:]
-    # the interrupted run wrote its summary and plot, and left no lock behind
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["interrupted"].startswith("SIGTERM at step") and (out / "loss.png").stat().st_size > 0
-    assert (out / "stopped.json").exists() and not (out / LOCK_FILE).exists()
-    last = summary["step"]
-
-    resumed = subprocess.run([sys.executable, "-m", "flashfsdp.train", "--resume", "--out", str(out), "--nproc", "1",
-                              "--steps", str(last + 1), "--sample-tokens", "0"], capture_output=True, text=True,
-                             timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    run = json.loads((out / "run.json").read_text())
-    (record,) = run["resumptions"]
-    assert record["step"] == last and record["world_size"] == 1
-    assert record["changed"]["training.steps"] == [1000, last + 1] and record["changed"]["run.nproc"] == [2, 1]
-    assert run["training"]["steps"] == last + 1 and not (out / "stopped.json").exists()
 
 
 def test_a_dead_holders_lock_is_taken_over_with_a_message(tmp_path, caplog):

@@ -1,6 +1,9 @@
-"""flashfsdp-train stopped by SIGINT or SIGTERM: a signal to the launcher after a few steps leaves a
-complete final checkpoint of the step it reports and exits with 128 + the signal; the launcher
-says so only when that checkpoint is on disk; the pieces (`StopFlag`, the stop record) alone."""
+"""flashfsdp-train stopped by SIGINT (Ctrl-C: to the process group) or SIGTERM (to the launcher)
+after a few steps leaves a complete final checkpoint of the step it reports, its summary and
+plot, and exits with 128 + the signal; the launcher says so only when that checkpoint is on disk;
+the resumption is recorded in run.json and clears stopped.json; while the job runs, a second job
+into its --out exits 2 naming the holder (the run lock's pieces: test_run_lock.py); the pieces
+(`StopFlag`, the stop record) alone."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +22,7 @@ from flashfsdp.checkpoint import latest
 from flashfsdp.checkpoint.marker import MARKER, new_marker
 from flashfsdp.debug import load_dumps
 from flashfsdp.train import checkpoints, stopping
+from flashfsdp.train.run_lock import LOCK_FILE
 
 SAVED = re.compile(r"the workers saved a final checkpoint at step (\d+), (\S+) \(")
 # Seconds a whole launch may take on a busy shared machine.
@@ -69,12 +74,23 @@ def _trained_a_step(out) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_launcher_saves_the_step_it_reports_and_the_run_resumes(tmp_path, sig):
+def test_a_stop_signal_saves_the_step_it_reports_and_the_run_resumes(tmp_path, sig):
+    """SIGINT goes to the whole process group, as a terminal's Ctrl-C does (every worker gets it
+    directly as well); SIGTERM to the launcher only, as a scheduler's kill does (its agent forwards
+    it). The SIGTERM run is also the running job of the run lock's end-to-end check (one launch for
+    both): a second job into its --out exits 2 with one line naming it as the holder."""
     out = tmp_path / "run"
     proc = _start(tmp_path, *_tiny(out))
     try:
         _wait_until(lambda: _trained_a_step(out), proc, "training step")
-        os.kill(proc.pid, sig)  # the launcher only: its elastic agent forwards it to the workers
+        if sig == signal.SIGTERM:
+            second = subprocess.run([sys.executable, "-m", "flashfsdp.train", *_tiny(out)], capture_output=True,
+                                    text=True, env=_env(), timeout=TIMEOUT_S)
+            assert proc.poll() is None
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C sends: the launcher and every worker
+        else:
+            os.kill(proc.pid, sig)  # the launcher only: its elastic agent forwards it to the workers
     finally:
         code = _finish(proc)
     stderr = (tmp_path / "stderr.txt").read_text()
@@ -86,14 +102,29 @@ def test_a_signal_to_the_launcher_saves_the_step_it_reports_and_the_run_resumes(
     assert (record["step"], record["signal"]) == (int(step), sig.name)
     # the training job gives the flight recorder its run directory: each worker dumped its ring
     assert sorted(report["rank"] for report in load_dumps(str(out))) == [0, 1]
+    # the interrupted run wrote its summary and plot, and left no lock behind
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"].startswith(f"{sig.name} at step") and summary["step"] == int(step)
+    assert (out / "loss.png").stat().st_size > 0 and not (out / LOCK_FILE).exists()
     if sig == signal.SIGINT:
-        return  # resuming is the same for both signals
+        return  # the lock and resuming are the same for both signals
 
+    assert second.returncode == 2, second.stderr[-2000:]
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"is in use by another run (host {socket.gethostname()}, pid {proc.pid}, " \
+                                "started " in lines[0], second.stderr
+    last = int(step)
     resumed = subprocess.run([sys.executable, "-m", "flashfsdp.train", "--resume", "--out", str(out),
-                              "--nproc", "1", "--steps", str(int(step) + 1)],
+                              "--nproc", "1", "--steps", str(last + 1)],
                              capture_output=True, text=True, env=_env(), timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert latest(str(out / "checkpoints")).endswith(f"step_{int(step) + 1}")
+    assert latest(str(out / "checkpoints")).endswith(f"step_{last + 1}")
+    # the resumption is recorded in run.json and clears stopped.json
+    run = json.loads((out / "run.json").read_text())
+    (record,) = run["resumptions"]
+    assert record["step"] == last and record["world_size"] == 1
+    assert record["changed"]["training.steps"] == [1000, last + 1] and record["changed"]["run.nproc"] == [2, 1]
+    assert run["training"]["steps"] == last + 1 and not (out / checkpoints.STOP_RECORD).exists()
 
 
 def test_a_signal_before_the_first_step_saves_nothing_and_says_so(tmp_path):

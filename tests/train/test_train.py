@@ -1,4 +1,5 @@
-"""flashfsdp-train end to end: 2 ranks on CPU, loss falls, checkpoint, resume at 1 rank; bad input."""
+"""flashfsdp-train end to end: 2 ranks on CPU, loss falls, checkpoint, resume at 1 rank; bad input
+(Ctrl-C and other stop signals: test_signals.py)."""
 
 from __future__ import annotations
 
@@ -26,26 +27,27 @@ def _metrics(out) -> list[dict]:
 
 def test_train_two_ranks_then_resume_at_one(tmp_path):
     out = tmp_path / "run"
-    done = _train("--preset", "tiny", "--steps", "16", "--out", str(out), "--eval-every", "8", "--save-every", "16",
+    # 8 steps: the loss falls by more than 1 nat/byte by step 5 (train and validation)
+    done = _train("--preset", "tiny", "--steps", "8", "--out", str(out), "--eval-every", "4", "--save-every", "8",
                   "--sample-tokens", "24")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _metrics(out)
     train = {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert {r["world_size"] for r in rows if "world_size" in r} == {2}
-    assert train[16] < train[1] - 1.0 and val[-1] < val[0] - 1.0
-    assert latest(str(out / "checkpoints")).endswith("step_16")
+    assert train[8] < train[1] - 1.0 and val[-1] < val[0] - 1.0
+    assert latest(str(out / "checkpoints")).endswith("step_8")
     assert (out / "loss.png").stat().st_size > 0 and (out / "samples.txt").read_text().strip()
     saved_val = val[-1]
 
-    resumed = _train("--resume", "--out", str(out), "--nproc", "1", "--steps", "18")
+    resumed = _train("--resume", "--out", str(out), "--nproc", "1", "--steps", "10")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = _metrics(out)
     (first,) = [r for r in rows if r.get("resumed")]
-    assert first["step"] == 16 and first["world_size"] == 1
+    assert first["step"] == 8 and first["world_size"] == 1
     assert first["val_loss"] == pytest.approx(saved_val, rel=1e-4)  # the saved model, at another W
-    assert [r["step"] for r in rows if "train_loss" in r][-2:] == [17, 18]
-    assert latest(str(out / "checkpoints")).endswith("step_18")
+    assert [r["step"] for r in rows if "train_loss" in r][-2:] == [9, 10]
+    assert latest(str(out / "checkpoints")).endswith("step_10")
 
 
 @pytest.mark.parametrize(
@@ -58,49 +60,19 @@ def test_train_two_ranks_then_resume_at_one(tmp_path):
         (["--resume"], "is not a flashfsdp-train run directory"),
     ],
 )
-def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, message):
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, args, message):
+    """The launcher's checks, through the command's `main` in this process (they run before any
+    worker starts; that an exit code and stderr pass through the process boundary: the runs above)."""
+    from flashfsdp.train.cli import main  # noqa: PLC0415
+
     empty = tmp_path / "empty"
     empty.mkdir()
     out = tmp_path / "out"
     args = [a.replace("{empty}", str(empty)) for a in args]
     if args[0] == "--preset" and os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") > 512 * 2**30:
         pytest.skip("this machine could fit the 1b preset")
-    done = _train(*args, "--steps", "2", "--out", str(out), timeout=120)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr
+    assert main([*args, "--steps", "2", "--out", str(out)]) == 2
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in stderr
     assert not (out / "checkpoints").exists()
-
-
-def test_ctrl_c_saves_a_final_checkpoint(tmp_path):
-    """SIGINT to the whole process group (what a terminal's Ctrl-C sends): every rank stops after
-    the same step, a checkpoint of that step is saved and the exit code is 130 (that such a
-    checkpoint resumes, at another number of ranks: test_signals.py and test_run_lock.py)."""
-    import signal  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flashfsdp.train", "--preset", "tiny", "--steps", "1000", "--out", str(out),
-         "--eval-every", "1000", "--save-every", "1000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (out / "metrics.jsonl").exists() and any("train_loss" in r for r in _metrics(out)):
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, stderr[-3000:]
-    assert "interrupted; the workers saved a final checkpoint" in stderr
-    last = max(r["step"] for r in _metrics(out) if "train_loss" in r)
-    assert 1 <= last < 1000
-    assert latest(str(out / "checkpoints")).endswith(f"step_{last}")
