@@ -109,14 +109,13 @@ def test_estimate_survives_a_closed_pipe():
     assert "BrokenPipeError" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
-def test_estimate_with_tensor_parallelism():
-    done = _estimate("--preset", "tiny", "--world-size", "4", "--tp", "2", "--tokens", "256", "--table")
-    assert done.returncode == 0, done.stderr
-    assert "W = 4, (dp, tp) = (2, 2);" in done.stdout.splitlines()[0]
-    assert "TP all-gathered (" in done.stdout and "over 2 ranks, 256 tokens)" in done.stdout
-    bad = _estimate("--preset", "tiny", "--world-size", "4", "--tp", "3")
-    assert bad.returncode == 2 and bad.stderr.strip() == (
-        "python -m flashfsdp.estimate: error: estimate: tp=3 must divide world_size=4")
+def test_estimate_with_tensor_parallelism(capsys):
+    code, out, err = _estimate(capsys, "--preset", "tiny", "--world-size", "4", "--tp", "2", "--tokens", "256", "--table")
+    assert code == 0, err
+    assert "W = 4, (dp, tp) = (2, 2);" in out.splitlines()[0]
+    assert "TP all-gathered (" in out and "over 2 ranks, 256 tokens)" in out
+    code, _, err = _estimate(capsys, "--preset", "tiny", "--world-size", "4", "--tp", "3")
+    assert code == 2 and err.strip() == "python -m flashfsdp.estimate: error: estimate: tp=3 must divide world_size=4"
 
 
 def test_sim_prints_its_assumptions_and_one_row_per_tp(capsys):
