@@ -99,6 +99,23 @@ def _rank_errors(out_dir: str, world_size: int) -> list[str]:
     return errors
 
 
+def failure_message(out_dir: str, exit_codes: list) -> str:
+    """What :class:`RanksFailed` says: every failed rank, whichever the join noticed first — a rank
+    that exited by itself (a positive exit code, no result: ``os._exit``), then each traceback and
+    fatal-signal stack (:func:`_rank_errors`). A rank that exits makes the others fail in their
+    next collective, and on a loaded machine their tracebacks may reach the join first.
+
+    Args:
+        out_dir: the ranks' result folder (``rank{r}.pt``, ``rank{r}.faults``).
+        exit_codes: by rank, the process's exit code, None where the spawner killed it or it had
+            not exited (negative codes, signals, are left to the fault stacks).
+    """
+    exits = [f"--- rank {r}: exited with exit code {code} before it returned ---"
+             for r, code in enumerate(exit_codes)
+             if code is not None and code > 0 and not os.path.exists(os.path.join(out_dir, f"rank{r}.pt"))]
+    return "\n".join(exits + _rank_errors(out_dir, len(exit_codes)))
+
+
 def spawn_ranks(fn, world_size: int, args: tuple = (), *, backend: str = "gloo", threads: int | None = None,
                 kernels: str | None = None, timeout: float | None = None, start_method: str = "spawn") -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return the results by rank.
@@ -124,19 +141,24 @@ def spawn_ranks(fn, world_size: int, args: tuple = (), *, backend: str = "gloo",
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), tmp, setup, fn, args),
                                  nprocs=world_size, join=False, start_method=start_method)
+        failed, killed = None, set()
         try:
             deadline = time.monotonic() + timeout if timeout is not None else None
             while not ctx.join(timeout=None if deadline is None else max(0.1, deadline - time.monotonic())):
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"ranks still running after {timeout} s")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # raised; or exited nonzero (os._exit)
-            raise RanksFailed("\n".join(_rank_errors(tmp, world_size)) or str(exc)) from None
+            failed = exc
         finally:
-            for p in ctx.processes:
+            for r, p in enumerate(ctx.processes):
                 if p.is_alive():
                     p.kill()
+                    killed.add(r)
             for p in ctx.processes:
                 p.join()
+        if failed is not None:
+            codes = [None if r in killed else p.exitcode for r, p in enumerate(ctx.processes)]
+            raise RanksFailed(failure_message(tmp, codes) or str(failed)) from None
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)["ok"] for r in range(world_size)]
 
 

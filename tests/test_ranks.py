@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
-from flashfsdp_dev.ranks import RanksFailed, spawn_ranks
+from flashfsdp_dev.ranks import RanksFailed, failure_message, spawn_ranks
 from tests.harness import run_distributed, start_method
 
 
@@ -32,6 +33,17 @@ def _exits_on_rank_0(rank: int, world_size: int) -> int:
 def test_a_rank_that_exits_fails_the_call_with_its_exit_code():
     with pytest.raises(RanksFailed, match="exit code 3"):
         spawn_ranks(_exits_on_rank_0, 2, threads=1, timeout=120, start_method=start_method())
+
+
+def test_every_failed_rank_is_reported_whichever_the_join_noticed_first(tmp_path):
+    # Rank 0 exited (os._exit(3)) and rank 1 then raised in its next collective; on a loaded
+    # machine rank 1's traceback can reach the join first. Both are named, the exit first.
+    torch.save({"error": "Traceback ...\nRuntimeError: Connection reset by peer"}, tmp_path / "rank1.pt")
+    message = failure_message(str(tmp_path), [3, 1])
+    assert message.startswith("--- rank 0: exited with exit code 3 before it returned ---\n--- rank 1 ---\n")
+    assert "Connection reset by peer" in message
+    torch.save({"ok": 0}, tmp_path / "rank0.pt")  # a rank that returned its result is not listed as exited
+    assert failure_message(str(tmp_path), [3, None]).startswith("--- rank 1 ---")
 
 
 def _aborts_on_rank_1(rank: int, world_size: int) -> int:
