@@ -59,7 +59,7 @@ from flashfsdp._torch_private import c10d_world, get_default_store
 
 from . import flight
 from .communicator import Communicator, ReduceOpName, Work, check_collective_sizes, check_reduce_op
-from .nccl_env import char_is_signed, import_nccl, unique_id_from_bytes, unique_id_to_bytes
+from .nccl_env import create_communicator, import_nccl, unique_id_to_bytes
 from .nccl_watchdog import CollectiveError, CollectiveTimeout, Watchdog
 
 __all__ = ["NcclCommunicator", "CollectiveError", "CollectiveTimeout", "DEFAULT_TIMEOUT_S", "destroy_communicators",
@@ -184,12 +184,8 @@ class NcclCommunicator(Communicator):
         raw = store.get(key)
         import cupy  # noqa: PLC0415
 
-        signed = char_is_signed()
         with cupy.cuda.Device(self.device.index):
-            try:
-                return nccl.NcclCommunicator(self.world_size, unique_id_from_bytes(raw, signed), self.rank)
-            except OverflowError:  # this build's char is the other kind: the conversion ran before any init
-                return nccl.NcclCommunicator(self.world_size, unique_id_from_bytes(raw, not signed), self.rank)
+            return create_communicator(nccl.NcclCommunicator, self.world_size, raw, self.rank)
 
     # ------------------------------------------------------------------ failures and teardown
     def _check_async_error(self) -> None:

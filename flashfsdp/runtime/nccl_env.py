@@ -2,13 +2,16 @@
 with NCCL, CuPy and torch built for the same CUDA major version, and the NCCL unique id as bytes.
 
 [Note: the unique id's bytes]
-``ncclUniqueId`` is ``char internal[128]``. CuPy's ``get_unique_id()`` returns it as a tuple of
-Python ints of C ``char``, and ``cupy.cuda.nccl.NcclCommunicator(n, uid, rank)`` converts each int
-back to ``char``: -128..127 where ``char`` is signed (x86-64 Linux, macOS, Windows), 0..255 where
-it is unsigned (Linux on aarch64 such as GH200, 32-bit ARM, POWER, s390x), and an int outside that
-range raises ``OverflowError``. The id travels through the torch.distributed store as 128 plain
-bytes (each value masked to 0..255, :func:`unique_id_to_bytes`) and each rank turns them into its
-own platform's range (:func:`unique_id_from_bytes`), so ranks on different architectures agree.
+``ncclUniqueId`` is ``char internal[128]``. CuPy 14 and later take and return it as 128 ``bytes``
+(``NcclCommunicator(int ndev, bytes commId, int rank)``). Earlier CuPy returns it from
+``get_unique_id()`` as a tuple of Python ints of C ``char``, and its
+``NcclCommunicator(n, uid, rank)`` converts each int back to ``char``: -128..127 where ``char`` is
+signed (x86-64 Linux, macOS, Windows), 0..255 where it is unsigned (Linux on aarch64 such as GH200,
+32-bit ARM, POWER, s390x), and an int outside that range raises ``OverflowError``. The id travels
+through the torch.distributed store as 128 plain bytes (each value masked to 0..255,
+:func:`unique_id_to_bytes`, which takes either form), and each rank hands its CuPy the form it
+takes (:func:`create_communicator`: the bytes, else the ints in its platform's range,
+:func:`unique_id_from_bytes`), so ranks on different architectures and CuPy releases agree.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES in nccl.h
 # Linux ABIs whose C `char` is unsigned (the psABIs of these architectures).
@@ -47,6 +50,30 @@ def unique_id_from_bytes(raw: bytes, char_signed: bool) -> tuple[int, ...]:
     if len(raw) != UNIQUE_ID_BYTES:
         raise ValueError(f"NCCL unique id: expected {UNIQUE_ID_BYTES} bytes from the store, got {len(raw)}")
     return tuple(b - 256 if char_signed and b >= 128 else b for b in raw)
+
+
+def create_communicator(constructor: Callable, world_size: int, raw: bytes, rank: int):
+    """``constructor(world_size, uid, rank)`` (CuPy's ``NcclCommunicator``) with the unique id
+    ``raw`` (128 bytes from the store) in the form this CuPy takes: ``bytes`` (CuPy >= 14), else
+    the tuple of C ``char`` ints for this platform, else for the other signedness (see
+    [Note: the unique id's bytes]). A form the constructor refuses is refused by its argument
+    conversion (``TypeError`` / ``OverflowError``), before NCCL is initialised, so the next form
+    can be tried.
+
+    Raises:
+        ValueError: ``raw`` is not 128 bytes long.
+        TypeError, OverflowError: the constructor refuses every form (the last refusal).
+    """
+    if len(raw) != UNIQUE_ID_BYTES:
+        raise ValueError(f"NCCL unique id: expected {UNIQUE_ID_BYTES} bytes from the store, got {len(raw)}")
+    signed = char_is_signed()
+    forms = (bytes(raw), unique_id_from_bytes(raw, signed), unique_id_from_bytes(raw, not signed))
+    for form in forms[:-1]:
+        try:
+            return constructor(world_size, form, rank)
+        except (TypeError, OverflowError):
+            continue
+    return constructor(world_size, forms[-1], rank)
 
 
 def char_is_signed(machine: str | None = None, system: str | None = None) -> bool:

@@ -12,7 +12,7 @@ import pytest
 
 from flashfsdp.runtime import nccl, trace
 from flashfsdp.runtime.communicator import CompletedWork
-from flashfsdp.runtime.nccl_env import (UNIQUE_ID_BYTES, char_is_signed, check_cuda_match, cuda_major,
+from flashfsdp.runtime.nccl_env import (create_communicator, UNIQUE_ID_BYTES, char_is_signed, check_cuda_match, cuda_major,
                                         unique_id_from_bytes, unique_id_to_bytes)
 from flashfsdp.runtime.nccl_watchdog import CollectiveError, CollectiveTimeout, Watchdog
 
@@ -166,3 +166,48 @@ def test_issuing_names_the_unit_on_the_work():
         work = issued.track(_NamedWork())
     assert work.unit == "layers.3"
     CompletedWork().set_unit("layers.3")  # the default accepts and ignores it
+
+
+def _cupy14(ndev, comm_id, rank):
+    """CuPy >= 14's argument conversion: ``NcclCommunicator(int ndev, bytes commId, int rank)``."""
+    if not isinstance(comm_id, bytes):
+        raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(comm_id).__name__})")
+    return ("cupy14", comm_id)
+
+
+def _cupy13(signed):
+    """Earlier CuPy: ``commId`` is a tuple of ints converted to C ``char`` one by one."""
+    low, high = (-128, 127) if signed else (0, 255)
+
+    def construct(ndev, comm_id, rank):
+        if not isinstance(comm_id, tuple):
+            raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got {type(comm_id).__name__})")
+        if any(not low <= b <= high for b in comm_id):
+            raise OverflowError("value too large to convert to char")
+        return ("cupy13", bytes(b & 0xFF for b in comm_id))
+
+    return construct
+
+
+@pytest.mark.parametrize("constructor", [_cupy14, _cupy13(True), _cupy13(False)],
+                         ids=["cupy14-bytes", "cupy13-signed-char", "cupy13-unsigned-char"])
+def test_the_communicator_gets_the_unique_id_in_the_form_its_cupy_takes(constructor):
+    raw = unique_id_to_bytes(_uid(signed=True, seed=5))
+    kind, received = create_communicator(constructor, 2, raw, 1)
+    assert received == raw  # every form carries the same 128 bytes to NCCL
+    assert kind == ("cupy14" if constructor is _cupy14 else "cupy13")
+
+
+def test_a_cupy14_unique_id_goes_through_the_store_as_itself():
+    uid = bytes(range(128))  # CuPy >= 14's get_unique_id() returns bytes
+    assert unique_id_to_bytes(uid) == uid
+
+
+def test_a_constructor_refusing_every_form_raises_its_last_refusal():
+    def refuses(ndev, comm_id, rank):
+        raise TypeError("no form")
+
+    with pytest.raises(TypeError, match="no form"):
+        create_communicator(refuses, 2, bytes(128), 0)
+    with pytest.raises(ValueError, match="expected 128 bytes"):
+        create_communicator(_cupy14, 2, bytes(12), 0)
