@@ -239,7 +239,9 @@ def mark_taken(params: Iterable[nn.Parameter], owner: str) -> None:
 
 
 def unit_device(modules: list[nn.Module], params: list[nn.Parameter], mesh) -> torch.device:
-    """The device of the unit's parameters (``meta`` allowed: they are materialised by to_empty).
+    """The device of the unit's parameters (``meta`` allowed: they are materialised by to_empty);
+    for a unit without parameters of its own, the mesh's device type, or without a mesh the
+    device of its submodules' parameters and buffers, or :func:`default_device_type`.
 
     Raises:
         ValueError: parameters on several devices.
@@ -252,10 +254,11 @@ def unit_device(modules: list[nn.Module], params: list[nn.Parameter], mesh) -> t
         )
     if devices:
         device = devices.pop()
-    elif mesh is not None:
+    elif mesh is not None:  # a unit with no parameters of its own (a root over its blocks' units)
         device = torch.device(mesh.device_type)
-    else:
-        device = torch.device("cpu")
+    else:  # ... computes where its submodules' tensors are, else on FSDP2's default mesh's device
+        device = next((t.device for m in modules for t in (*m.parameters(), *m.buffers())), None)
+        device = device or torch.device(default_device_type())
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -263,17 +266,21 @@ def unit_device(modules: list[nn.Module], params: list[nn.Parameter], mesh) -> t
 
 def target_device(device: torch.device, mesh, offload: bool = False) -> torch.device:
     """Where a unit computes once materialised: ``device``, or for the meta device (and with CPU
-    offload, whose parameters live on the CPU) the mesh's device type, or CUDA when the default
-    process group runs NCCL, else the CPU."""
+    offload, whose parameters live on the CPU) the mesh's device type, or without a mesh
+    :func:`default_device_type` (FSDP2's default mesh: the accelerator, else the CPU)."""
     if device.type != "meta" and not (offload and device.type == "cpu"):
         return device
-    if mesh is not None:
-        kind = mesh.device_type
-    elif dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        kind = "cuda"
-    else:
-        kind = "cpu"
+    kind = mesh.device_type if mesh is not None else default_device_type()
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+def default_device_type() -> str:
+    """The device type of FSDP2's default mesh (``mesh=None``): the current accelerator's
+    (``"cuda"`` on a GPU machine, whatever the process group's backend), else ``"cpu"``."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return accelerator.current_accelerator().type
+    return "cpu"
 
 
 _default_meshes: dict[str, object] = {}

@@ -96,3 +96,23 @@ def test_manual_unshard_async_and_reshard_around_forward():
             torch.testing.assert_close(grad, r["ref_grads"][name], rtol=1e-5, atol=1e-6)
         for name, want in r["ref_params"].items():
             torch.testing.assert_close(r["params"][name], want)
+
+
+def test_a_unit_without_parameters_computes_where_its_submodules_are_else_on_the_accelerator(monkeypatch):
+    """FSDP2's default mesh (``mesh=None``) is on the accelerator whatever the process group's
+    backend; a root with no parameters of its own computes where its blocks' tensors are, and a
+    module with no tensors at all on the accelerator (the CPU where there is none)."""
+    from flashfsdp.bindings import _init
+
+    with torch.device("meta"):
+        stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert _init.unit_device([stack], [], None) == torch.device("meta")
+    empty = nn.Module()
+    assert _init.unit_device([empty], [], None) == torch.device(_init.default_device_type())
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("xpu"))
+    assert _init.default_device_type() == "xpu"
+    assert _init.unit_device([empty], [], None) == torch.device("xpu")
+    assert _init.target_device(torch.device("meta"), None) == torch.device("xpu")
+    assert _init.target_device(torch.device("cpu"), None, offload=True) == torch.device("xpu")
+    assert _init.unit_device([stack], [], None) == torch.device("meta")  # its blocks' device first
