@@ -130,7 +130,9 @@ def accumulate_grad_shard(
 def _quantize_rows(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Quantise each row of ``rows`` (fp32, one block a row) into ``q`` (int8, the rows' values in
     order); return the rows' scales. The max propagates nan, so a block holding one gets a nan scale."""
-    scale = rows.abs().amax(dim=1) / QMAX
+    # QMAX as a tensor on rows' device: torch on CUDA turns a division by a Python scalar into a
+    # product with its reciprocal, which is not IEEE division (the kernels' div_rn) in the last bit.
+    scale = rows.abs().amax(dim=1) / torch.full((), QMAX, dtype=rows.dtype, device=rows.device)
     usable = (scale > 0) & (scale < torch.inf)
     all_usable = bool(usable.all())
     y = rows / (scale if all_usable else torch.where(usable, scale, 1.0))[:, None]
