@@ -34,15 +34,17 @@ def fsdp2_backward_bytes() -> Iterator[dict]:
     torch's ``fully_shard`` issues during a backward (``dist.all_gather_single`` is wrapped and put
     back afterwards)."""
     counted = {"bytes": 0}
-    original = dist.all_gather_single
+    # torch >= 2.12's FSDP2 calls dist.all_gather_single; earlier releases all_gather_into_tensor.
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    original = getattr(dist, name)
 
     def counting(output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args, **kwargs):
         if current_graph_task_id() != -1:
             counted["bytes"] += output_tensor.numel() * output_tensor.element_size()
         return original(output_tensor, input_tensor, *args, **kwargs)
 
-    dist.all_gather_single = counting
+    setattr(dist, name, counting)
     try:
         yield counted
     finally:
-        dist.all_gather_single = original
+        setattr(dist, name, original)

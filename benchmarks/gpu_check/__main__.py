@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -34,10 +35,9 @@ from benchmarks.environment import Environment, environment
 from benchmarks.gpu_check.steps import STEPS, Context, Outcome
 from benchmarks.outputs import add_output_arguments, output_dir
 from benchmarks.tables import write_markdown
-from benchmarks.gpu_check.steps import STEPS, Context, Outcome
 
 # Seconds each step is expected to need on an H100; a step starts only with that much budget left.
-SHARE = {"environment": 5, "pytest": 120, "stress": 60, "w2_gloo": 40, "expandable": 30, "kernels": 60,
+SHARE = {"environment": 5, "pytest": 150, "stress": 60, "w2_gloo": 40, "expandable": 30, "kernels": 60,
          "step": 120}
 
 
@@ -68,11 +68,25 @@ def run_steps(names: list[str], ctx: Context, deadline: float, clock=time.monoto
             try:
                 outcome = STEPS[name](ctx)
             except Exception as exc:  # noqa: BLE001 - one step's failure must not stop the others
-                outcome = Outcome("failed", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+                outcome = failure(exc)
         results[name] = {"status": outcome.status, "detail": outcome.detail, "data": outcome.data,
                          "seconds": round(clock() - start, 2)}
         print(f"[gpu_check] {name}: {outcome.status} ({results[name]['seconds']} s) {outcome.detail}", flush=True)
     return results
+
+
+def failure(exc: BaseException) -> Outcome:
+    """The "failed" outcome of a step that raised ``exc``: its first line with the exception type
+    as the detail, and, in ``data["error"]``, the whole message (a rank failure's tracebacks) and
+    the step's own traceback, also printed, so that a one-off GPU run loses nothing."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    # A rank failure's first line only announces the rank ("--- rank 0 ---"): take its last line.
+    last = text.splitlines()[-1] if text else ""
+    detail = f"{type(exc).__name__}: {first}" + (f" ... {last}" if last and last != first else "")
+    error = "".join(traceback.format_exception(exc))
+    print(error, file=sys.stderr, flush=True)
+    return Outcome("failed", detail, {"error": error})
 
 
 def write(results: dict[str, dict], env: Environment, out: Path) -> None:

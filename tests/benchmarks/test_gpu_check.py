@@ -47,6 +47,20 @@ def test_steps_without_their_share_of_the_budget_are_skipped(tmp_path):
         assert result["status"] == "skipped" and result["detail"].startswith("skipped: out of time")
 
 
+def test_a_step_that_raises_keeps_its_whole_message(tmp_path, monkeypatch):
+    from benchmarks.gpu_check import __main__ as gpu_check
+
+    def raising(ctx):
+        raise RuntimeError("--- rank 0 ---\nTraceback (most recent call last):\n  ...\nValueError: the cause")
+
+    monkeypatch.setitem(gpu_check.STEPS, "kernels", raising)
+    ctx = Context(out=tmp_path, cuda=True, seconds_left=lambda: 1e9)
+    result = run_steps(["kernels"], ctx, deadline=1e9, clock=lambda: 0.0)["kernels"]
+    assert result["status"] == "failed"
+    assert result["detail"] == "RuntimeError: --- rank 0 --- ... ValueError: the cause"
+    assert "ValueError: the cause" in result["data"]["error"] and "raising" in result["data"]["error"]
+
+
 def _gpu_env(**changes):
     env = {field: "x" for field in environment.FIELDS}
     env.update({"gpu": "NVIDIA H100 80GB HBM3", "backend": "triton", "cuda": "13.0", "cupy_cuda": "13", **changes})
@@ -111,3 +125,12 @@ def test_training_comparisons():
     assert training.triton_ran({("flatten", "triton", "cuda"): 3})
     assert not training.triton_ran({("flatten", "triton", "cuda"): 3, ("unflatten", "reference", "cuda"): 1})
     assert not training.triton_ran({("flatten", "reference", "cpu"): 3})
+
+
+def test_the_pytest_step_collects_exactly_the_files_with_gpu_tests():
+    from benchmarks.gpu_check.steps import REPO, gpu_test_files
+
+    files = gpu_test_files()
+    assert "tests/bindings/test_cuda_memory.py" in files and "tests/kernels/test_quantize.py" in files
+    assert all("\n@pytest.mark.gpu\n" in (REPO / f).read_text() for f in files)
+    assert "tests/test_architecture.py" not in files and "tests/benchmarks/test_gpu_check.py" not in files
