@@ -241,7 +241,7 @@ def mark_taken(params: Iterable[nn.Parameter], owner: str) -> None:
 def unit_device(modules: list[nn.Module], params: list[nn.Parameter], mesh) -> torch.device:
     """The device of the unit's parameters (``meta`` allowed: they are materialised by to_empty);
     for a unit without parameters of its own, the mesh's device type, or without a mesh the
-    device of its submodules' parameters and buffers, or :func:`default_device_type`.
+    device of its submodules' parameters and buffers (not meta), or :func:`default_device_type`.
 
     Raises:
         ValueError: parameters on several devices.
@@ -256,8 +256,9 @@ def unit_device(modules: list[nn.Module], params: list[nn.Parameter], mesh) -> t
         device = devices.pop()
     elif mesh is not None:  # a unit with no parameters of its own (a root over its blocks' units)
         device = torch.device(mesh.device_type)
-    else:  # ... computes where its submodules' tensors are, else on FSDP2's default mesh's device
-        device = next((t.device for m in modules for t in (*m.parameters(), *m.buffers())), None)
+    else:  # ... computes where its submodules' tensors are (meta ones are materialised later), else
+        # on FSDP2's default mesh's device
+        device = next((t.device for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta), None)
         device = device or torch.device(default_device_type())
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -104,9 +104,10 @@ def test_a_unit_without_parameters_computes_where_its_submodules_are_else_on_the
     module with no tensors at all on the accelerator (the CPU where there is none)."""
     from flashfsdp.bindings import _init
 
+    stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert _init.unit_device([stack], [], None) == torch.device("cpu")
     with torch.device("meta"):
-        stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    assert _init.unit_device([stack], [], None) == torch.device("meta")
+        on_meta = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     empty = nn.Module()
     assert _init.unit_device([empty], [], None) == torch.device(_init.default_device_type())
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
@@ -115,4 +116,5 @@ def test_a_unit_without_parameters_computes_where_its_submodules_are_else_on_the
     assert _init.unit_device([empty], [], None) == torch.device("xpu")
     assert _init.target_device(torch.device("meta"), None) == torch.device("xpu")
     assert _init.target_device(torch.device("cpu"), None, offload=True) == torch.device("xpu")
-    assert _init.unit_device([stack], [], None) == torch.device("meta")  # its blocks' device first
+    assert _init.unit_device([stack], [], None) == torch.device("cpu")  # its blocks' device first
+    assert _init.unit_device([on_meta], [], None) == torch.device("xpu")  # materialised later: the default
