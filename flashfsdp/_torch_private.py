@@ -123,6 +123,8 @@ aten_to_copy = private("torch", "ops.aten._to_copy.default")
 pytree = private("torch.utils", "_pytree")  # tree_flatten/unflatten/leaves/map/map_only, SUPPORTED_NODES
 
 # ------------------------------------------------------------------------------ multi-tensor ops
+# runtime/grad_shard.py: whether anything outside a unit's gradient views shares its gradient buffer.
+storage_use_count = private("torch", "_C._storage_Use_Count")  # (storage._cdata) -> tensors + storage objects on it
 foreach_copy_ = private("torch", "_foreach_copy_")  # kernels/reference.py
 foreach_add_ = private("torch", "_foreach_add_")  # optim/adamw.py: step counters
 foreach_sub_ = private("torch", "_foreach_sub_")

@@ -50,6 +50,7 @@ BEHAVIOUR = {
     "saved_tensors_hooks_is_enabled", "top_saved_tensors_default_hooks", "set_code_exec_strategy",
     "FrameExecStrategy", "FrameAction", "ActivationWrapper", "CheckpointImpl",
     "apply_activation_checkpointing", "checkpoint_wrapper", "c10d_world", "DTensorSpec", "TensorMeta",
+    "storage_use_count",
 }
 def _defined_names() -> set[str]:
     """The names _torch_private.py assigns from ``private(...)`` or ``optional_private(...)``."""
@@ -323,3 +324,16 @@ def test_the_rest_of_flashfsdp_reaches_private_apis_through_one_module():
         if uses:
             offenders[rel] = sorted(uses)
     assert not offenders, f"route these through flashfsdp/_torch_private.py: {offenders}"
+
+
+def test_storage_use_count_counts_every_tensor_on_a_storage():
+    base = torch.zeros(8)
+    count = lambda: tp.storage_use_count(base.untyped_storage()._cdata)  # noqa: E731
+    alone = count()
+    views = [base[:4], base[4:]]
+    assert count() == alone + 2
+    held = views[0].view(2, 2)  # a view of a view, and a detached alias, count too
+    alias = views[1].detach()
+    assert count() == alone + 4
+    del held, alias, views
+    assert count() == alone

@@ -11,12 +11,16 @@ FSDP2's gradients are during the forward).
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Sequence
 
 import torch
 
+from flashfsdp._torch_private import storage_use_count
+
 from .layout import ShardLayout
 from .sharding_spec import is_dtensor, local_of
+
 
 
 class GradShard:
@@ -41,6 +45,9 @@ class GradShard:
         self.accum_had_grad: list[bool] = [False] * len(self.shapes)
         self._reduce_layouts: dict[tuple[bool, ...], ShardLayout | None] = {}
         self._grad_tensors: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        # [Note: kept gradient DTensors]: the released buffer, its DTensors and its size in bytes
+        self._spare_grad: tuple[torch.Tensor, list[torch.Tensor], int] | None = None
+        self._grad_holders: tuple | None = None
 
     def reduce_layout(self) -> ShardLayout | None:
         """The reduce-scatter layout of the parameters trainable now, or None when all are (the
@@ -53,16 +60,51 @@ class GradShard:
         return self._reduce_layouts[trainable]
 
     def sharded_grad_buffer(self) -> torch.Tensor:
-        """``sharded_grad``, allocated (zeroed) on first use."""
+        """``sharded_grad``, allocated (zeroed) on first use: the released buffer and its gradient
+        DTensors again where :meth:`release_unused_grad` could keep them."""
         if self.sharded_grad is None:
-            self.sharded_grad = self._new_shard(self.dtype, zeros=True)
+            spare, self._spare_grad = self._spare_grad, None
+            if spare is not None:
+                buffer, nbytes = spare[0], spare[2]
+                buffer.untyped_storage().resize_(nbytes)
+                self.sharded_grad, self._grad_tensors = buffer.zero_(), spare[:2]
+            else:
+                self.sharded_grad = self._new_shard(self.dtype, zeros=True)
         return self.sharded_grad
 
     def release_unused_grad(self) -> None:
         """Free ``sharded_grad`` once no parameter refers to it (``optimizer.zero_grad()`` set every
-        ``.grad`` to None): the memory is free during the forward, as FSDP2's gradients are."""
-        if self.sharded_grad is not None and all(p.grad is None for p in self.sharded_params):
-            self.sharded_grad, self.grad_stats, self._grad_tensors = None, None, None
+        ``.grad`` to None): the memory is free during the forward, as FSDP2's gradients are.
+
+        [Note: kept gradient DTensors]
+        Building a DTensor gradient per parameter and step costs microseconds each, which add up on
+        units of many small parameters. So where nothing but this group holds the gradient
+        DTensors, their local views or the buffer's memory (Python references and the storage's
+        use count, against those counted when they were built), the memory alone is freed
+        (``untyped_storage().resize_(0)``, as FSDP2 frees its unsharded parameters) and the next
+        reduction resizes it back under the same DTensors. Where anything else holds one (a
+        ``.grad`` kept past ``zero_grad()``, a view of it), the buffer is dropped as a whole, so
+        what is held keeps its values, as on FSDP2."""
+        if self.sharded_grad is None or any(p.grad is not None for p in self.sharded_params):
+            return
+        buffer, exposed = self.sharded_grad, self._grad_tensors
+        keep = (exposed is not None and exposed[0] is buffer and buffer.device.type != "meta"
+                and not buffer.is_pinned() and self._holders() == self._grad_holders)
+        self.sharded_grad, self.grad_stats, self._grad_tensors = None, None, None
+        if keep:
+            nbytes = buffer.untyped_storage().nbytes()
+            buffer.untyped_storage().resize_(0)
+            self._spare_grad = (buffer, exposed[1], nbytes)
+
+    def _holders(self) -> tuple:
+        """What holds the gradient DTensors and their memory now: the Python references to each
+        DTensor and to its local view, and the tensors on the buffer's storage (any view, alias or
+        ``to_local()`` result of a gradient counts there); see [Note: kept gradient DTensors]. The
+        buffer tensor itself is this group's alone (nothing outside the runtime reaches it)."""
+        buffer, grads = self._grad_tensors
+        refs = sys.getrefcount
+        return (tuple(map(refs, grads)), tuple(map(refs, map(local_of, grads))),
+                storage_use_count(buffer.untyped_storage()._cdata))
 
     def grad_views(self) -> list[torch.Tensor]:
         """Each parameter's chunk of ``sharded_grad`` (local shapes, plain tensors)."""
@@ -74,6 +116,7 @@ class GradShard:
         grad = self.sharded_grad_buffer()
         if self._grad_tensors is None or self._grad_tensors[0] is not grad:
             self._grad_tensors = (grad, [self.wrap_local(v, i) for i, v in enumerate(self.local_views(grad))])
+            self._grad_holders = self._holders()
         return self._grad_tensors[1]
 
     def _grad_chunk(self, grad: torch.Tensor, i: int) -> torch.Tensor:
@@ -153,7 +196,7 @@ class GradShard:
     def reset_grads(self, grad_flat: torch.Tensor | None, mask: Sequence[bool]) -> None:
         """Take ``grad_flat`` (shard layout, or None) as the gradient shard and expose it where
         ``mask`` says (after the group was moved to another dtype or device)."""
-        self.sharded_grad, self.grad_stats, self._grad_tensors = grad_flat, None, None
+        self.sharded_grad, self.grad_stats, self._grad_tensors, self._spare_grad = grad_flat, None, None, None
         self.unsharded_accum = None
         if grad_flat is not None:
             self.expose_grads(mask)

@@ -8,6 +8,8 @@ converted parameters; plus the streams on CPU (no-ops) and the stale-gather chec
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -71,6 +73,42 @@ def test_reduction_in_flight_then_accumulated_with_norm_and_flag():
         unit.sharded_param(i).grad = None
     group.release_unused_grad()
     assert group.sharded_grad is None  # zero_grad(set_to_none=True) frees it
+
+
+def test_a_released_gradient_keeps_its_tensors_unless_something_holds_them():
+    """zero_grad(set_to_none=True) frees the gradient memory; the next reduction fills the same
+    gradient tensors again ([Note: kept gradient DTensors]) unless something still holds one or a
+    view of one, which then keeps its values (a new buffer is made)."""
+    params = _params((4, 3), (5,))
+    unit = _unit(params)
+    group = unit.groups[0]
+
+    def step(value):
+        unit.wait_unshard()
+        for i, p in enumerate(params):
+            unit.unsharded_param(i).grad = torch.full(p.shape, value)
+        unit.reduce_grads()[0].finish()
+        unit.reshard()
+        return [unit.sharded_param(i).grad for i in range(2)]
+
+    def zero_grad():
+        for i in range(2):
+            unit.sharded_param(i).grad = None
+        group.release_unused_grad()
+
+    first = [weakref.ref(g) for g in step(1.0)]
+    zero_grad()
+    assert group.sharded_grad is None and group._spare_grad[0].untyped_storage().nbytes() == 0  # freed
+    second = step(2.0)
+    assert all(ref() is g for ref, g in zip(first, second))  # the same tensors, the new values
+    assert torch.equal(second[1], torch.full((5,), 2.0))
+    held, view = second[0], second[1].view(-1)[:2]  # kept past zero_grad: a gradient, a view of one
+    del second
+    zero_grad()
+    assert group._spare_grad is None
+    third = step(3.0)
+    assert third[0] is not held and torch.equal(third[0], torch.full((4, 3), 3.0))
+    assert torch.equal(held, torch.full((4, 3), 2.0)) and torch.equal(view, torch.full((2,), 2.0))
 
 
 def test_no_sync_accumulation_runs_in_reduce_dtype():
