@@ -32,6 +32,7 @@ no gradient is accumulated; the next reduction with the all-reduce adds that sum
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +101,12 @@ class ReduceLayout:
         self.strided = tuple((keep[i], i) for i in layout.strided)
         self.flag_offsets = tuple(r * self.segment + layout.shard_size for r in range(layout.world_size))
         self.dense = keep == tuple(range(len(layout.shapes)))
+        # flatten's offsets and numels of every pack: the entries', then one run of flags per segment
+        self.pack_offsets = [o for _, _, o, _ in self.entries] + list(self.flag_offsets)
+        self.pack_numels = [n for *_, n in self.entries] + [len(keep)] * len(self.flag_offsets)
+        # the entries that take a whole gradient (W = 1, or a parameter on one rank): no slice
+        self.whole = tuple(s.param_offset == 0 and s.numel == math.prod(layout.shapes[s.param_index])
+                           for s in layout.segments)
 
     @classmethod
     def dense_of(cls, group: FlatParam) -> "ReduceLayout":
@@ -292,14 +299,15 @@ def pack(group: FlatParam, grads: list, local: list[bool], reduce_dtype: torch.d
         group.unsharded_accum = None
         group.accum_had_grad = [False] * len(group.accum_had_grad)
         grads = sources
-    flat_grads = [None if g is None else g.reshape(-1) for g in grads]
-    tensors = [None if flat_grads[i] is None else flat_grads[i][o : o + n] for i, o, _, n in rlayout.entries]
-    offsets = [o for _, _, o, _ in rlayout.entries] + list(rlayout.flag_offsets)
-    numels = [n for *_, n in rlayout.entries] + [len(rlayout.keep)] * len(rlayout.flag_offsets)
-    flags = _flags(group, tuple(bool(local[i]) for i in rlayout.keep), device)
+    # A whole contiguous gradient goes as it is (flatten reads any contiguous tensor as its
+    # elements in order); a chunk of one is a slice of it flattened.
+    tensors = [None if (g := grads[i]) is None else g if whole and g.is_contiguous() else g.reshape(-1)[o : o + n]
+               for (i, o, _, n), whole in zip(rlayout.entries, rlayout.whole)]
+    flags = _flags(group, tuple(map(bool, local)) if rlayout.dense else tuple(bool(local[i]) for i in rlayout.keep),
+                   device)
     tensors += [flags] * len(rlayout.flag_offsets)
     packed = torch.empty(rlayout.layout.world_size * rlayout.segment, dtype=reduce_dtype, device=device)
-    flatten(tensors, offsets, packed, scale=scale, numels=numels)
+    flatten(tensors, rlayout.pack_offsets, packed, scale=scale, numels=rlayout.pack_numels)
     for i, sub in rlayout.strided:
         if grads[i] is not None:
             full_to_chunks(grads[i].contiguous(), rlayout.layout, sub, packed, stride=rlayout.segment, scale=scale)
