@@ -103,10 +103,8 @@ def _entries(params: list, state) -> list | None:
         spec = param._spec
         grad = param.grad
         if grad is not None:
-            if not _same_placements(grad, spec):
-                return None
-            grad = grad._local_tensor
-            if type(grad) is not torch.Tensor or grad.shape != local.shape:
+            grad = _local_like(grad, spec, local)
+            if grad is None:
                 return None
         local_state = None
         param_state = state.get(param)
@@ -114,21 +112,26 @@ def _entries(params: list, state) -> list | None:
             local_state = {}
             for key, value in param_state.items():
                 if isinstance(value, DTensor):
-                    if not _same_placements(value, spec) or value._local_tensor.shape != local.shape:
+                    value = _local_like(value, spec, local)
+                    if value is None:
                         return None
-                    value = value._local_tensor
                 local_state[key] = value
         entries.append((i, (param, local, grad, local_state)))
     return entries
 
 
-def _same_placements(tensor: torch.Tensor, spec) -> bool:
-    """Whether ``tensor`` is a DTensor placed as ``spec`` says (the spec itself, most often: a
-    unit's gradients and the states made here share their parameter's)."""
+def _local_like(tensor: torch.Tensor, spec, local: torch.Tensor) -> torch.Tensor | None:
+    """The plain local tensor of ``tensor`` if it is a DTensor placed as ``spec`` says with the
+    local shape of ``local``, else None. Most often its spec is ``spec`` itself (a unit's gradients
+    and the states made here share their parameter's): then placements and shapes agree as they are."""
     if not isinstance(tensor, DTensor):
-        return False
-    other = tensor._spec
-    return other is spec or other.placements == spec.placements
+        return None
+    other, mine = tensor._spec, tensor._local_tensor
+    if other is spec:
+        return mine if type(mine) is torch.Tensor else None
+    if other.placements != spec.placements or type(mine) is not torch.Tensor or mine.shape != local.shape:
+        return None
+    return mine
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
