@@ -67,9 +67,11 @@ class _LaunchPlan:
         stream = torch.cuda.current_stream(flat.device).cuda_stream if flat.is_cuda else 0
         return flat.dtype, flat.shape, flat.stride(), flat.device, flat.data_ptr() % ALIGNMENT_BYTES, stream
 
-    def _is_current(self, flat: object) -> bool:
-        """Whether the kept table serves ``flat`` and the tensors as they are now (O(1) checks of
-        ``flat``, a binary search where its address moved, one pass over the tensors' addresses)."""
+    def is_current(self, flat: object) -> bool:
+        """Whether a run on ``flat`` (any object) would launch the kept table as it is: a table is
+        kept and serves ``flat`` and the tensors as they are now (O(1) checks of ``flat``, a binary
+        search where its address moved, one pass over the tensors' addresses). This is all the
+        host work of a run before its launch; it raises nothing."""
         if self._signature is None or self._signature_of(flat) != self._signature:
             return False
         address = flat.data_ptr()
@@ -94,13 +96,22 @@ class _LaunchPlan:
         self._signature = self._signature_of(flat)
         self._prepared = prepared
 
-    def _validated(self, items: ScannedItems) -> bool:
-        """Count a build; note whether a float64 tensor appeared; whether its table can be kept
-        (every tensor contiguous; a float64 list runs the reference, which needs none)."""
+    def _kept(self, flat: torch.Tensor, offsets: list[int], items: ScannedItems) -> bool:
+        """After a validation: count a build, note whether a float64 tensor appeared, and keep the
+        table (True) unless none can be kept (False: a non-contiguous tensor, whose staging copy
+        moves every call; a float64 one, which runs the reference)."""
         self.builds += 1
         self._forget()
         self._float64 = _FLOAT64_CODE in items.codes
-        return not items.noncontiguous and not self._float64
+        if items.noncontiguous or self._float64:
+            return False
+        self._keep(flat, items, self._table_of(flat, offsets, items))
+        return True
+
+    def _table_of(self, flat: torch.Tensor, offsets: list[int],
+                  items: ScannedItems) -> tuple[torch.Tensor, int] | None:
+        """The op launcher's segment table of a validated call (``None``: nothing to launch)."""
+        raise NotImplementedError
 
 
 class UnflattenPlan(_LaunchPlan):
@@ -118,8 +129,9 @@ class UnflattenPlan(_LaunchPlan):
             plan keeps the list (a copy of it: later changes to the caller's list are not seen).
 
     Attributes:
-        builds: how many times a run validated and built a table (1 after the first run on
-            the Triton path, then one more per change detected; 0 on the reference).
+        builds: how many times a run (or :meth:`prepare`) validated and built a table (1
+            after the first run on the Triton path, then one more per change detected; 0 on
+            the reference).
     """
 
     def __init__(self, offsets: Sequence[int], outs: Sequence[torch.Tensor]):
@@ -134,25 +146,36 @@ class UnflattenPlan(_LaunchPlan):
                 (any buffer each call; a new address, size or dtype is checked in full).
 
         Raises:
-            TypeError, ValueError: as :func:`flashfsdp.kernels.unflatten`, with its messages.
+            TypeError, ValueError, RuntimeError: as :func:`flashfsdp.kernels.unflatten`, with
+                its messages.
         """
         if not isinstance(flat, torch.Tensor) or op_backend(
                 "unflatten", flat, float64=self._float64) == "reference":
             reference.unflatten(flat, self._offsets, self._tensors)
             return
-        if not self._is_current(flat):
+        if not self.is_current(flat):
             offsets, items = validate_unflatten(flat, self._offsets, self._tensors)
-            if not self._validated(items):
-                self._run_uncached(flat, offsets, items)
+            if not self._kept(flat, offsets, items):
+                if self._float64:
+                    reference.unflatten(flat, offsets, self._tensors)
+                else:
+                    unflatten_validated(flat, offsets, items, self._tensors)
                 return
-            self._keep(flat, items, unflatten_table(flat, offsets, items))
         launch_unflatten(self._prepared, flat)
 
-    def _run_uncached(self, flat: torch.Tensor, offsets: list[int], items: ScannedItems) -> None:
-        if self._float64:
-            reference.unflatten(flat, offsets, self._tensors)
-        else:
-            unflatten_validated(flat, offsets, items, self._tensors)
+    def prepare(self, flat: torch.Tensor) -> bool:
+        """Validate ``flat`` and the outputs as :func:`flashfsdp.kernels.unflatten` does and keep
+        the segment table for them, without launching (whatever the backend); return whether
+        a table is kept (not for non-contiguous or float64 outputs).
+
+        Raises:
+            TypeError, ValueError: as :func:`flashfsdp.kernels.unflatten`, with its messages.
+        """
+        return self._kept(flat, *validate_unflatten(flat, self._offsets, self._tensors))
+
+    def _table_of(self, flat: torch.Tensor, offsets: list[int],
+                  items: ScannedItems) -> tuple[torch.Tensor, int] | None:
+        return unflatten_table(flat, offsets, items)
 
 
 class FlattenPlan(_LaunchPlan):
@@ -190,19 +213,34 @@ class FlattenPlan(_LaunchPlan):
             scale: factor applied in fp32 before the cast (finite in fp32).
 
         Raises:
-            TypeError, ValueError: as :func:`flashfsdp.kernels.flatten`, with its messages.
+            TypeError, ValueError, RuntimeError: as :func:`flashfsdp.kernels.flatten`, with its
+                messages.
         """
         if not isinstance(out, torch.Tensor) or op_backend(
                 "flatten", out, float64=self._float64) == "reference":
             return reference.flatten(self._tensors, self._offsets, out, scale=scale, numels=self._numels)
-        if self._is_current(out):
-            launch_flatten(self._prepared, out, check_scale("flatten", scale))
-            return out
-        offsets, items, scale = validate_flatten(self._tensors, self._offsets, out, scale, self._numels)
-        if not self._validated(items):
-            if self._float64:
-                return reference.flatten(self._tensors, offsets, out, scale=scale, numels=self._numels)
-            return flatten_validated(self._tensors, offsets, items, out, scale)
-        self._keep(out, items, flatten_table(offsets, items, out))
+        if self.is_current(out):
+            scale = check_scale("flatten", scale)
+        else:
+            offsets, items, scale = validate_flatten(self._tensors, self._offsets, out, scale, self._numels)
+            if not self._kept(out, offsets, items):
+                if self._float64:
+                    return reference.flatten(self._tensors, offsets, out, scale=scale, numels=self._numels)
+                return flatten_validated(self._tensors, offsets, items, out, scale)
         launch_flatten(self._prepared, out, scale)
         return out
+
+    def prepare(self, out: torch.Tensor) -> bool:
+        """Validate ``out`` and the tensors as :func:`flashfsdp.kernels.flatten` does and keep
+        the segment table for them, without launching (whatever the backend); return whether
+        a table is kept (not for non-contiguous or float64 tensors).
+
+        Raises:
+            TypeError, ValueError: as :func:`flashfsdp.kernels.flatten`, with its messages.
+        """
+        offsets, items, _ = validate_flatten(self._tensors, self._offsets, out, 1.0, self._numels)
+        return self._kept(out, offsets, items)
+
+    def _table_of(self, flat: torch.Tensor, offsets: list[int],
+                  items: ScannedItems) -> tuple[torch.Tensor, int] | None:
+        return flatten_table(offsets, items, flat)

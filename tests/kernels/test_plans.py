@@ -214,3 +214,17 @@ def test_runs_are_counted_per_backend(backend, device):
     plan.run(torch.ones(4, device=device))
     plan.run(torch.ones(4, device=device))
     assert dispatch.backend_counts() == {("unflatten", backend, device.type): 2}
+
+
+def test_prepare_keeps_a_table_on_any_backend_and_is_current_sees_changes(backend, device):
+    outs = [torch.zeros(8, device=device), torch.zeros(8, dtype=torch.bfloat16, device=device)]
+    plan, packing = UnflattenPlan([0, 8], outs), FlattenPlan(outs, [0, 8])
+    flat = torch.zeros(16, device=device)
+    assert not plan.is_current(flat) and not packing.is_current(flat)
+    assert plan.prepare(flat) and packing.prepare(flat)
+    assert plan.is_current(flat) and packing.is_current(torch.zeros(16, device=device))
+    assert not plan.is_current(torch.zeros(17, device=device)) and not plan.is_current("flat")
+    outs[0].set_(torch.zeros(8, device=device))
+    assert not plan.is_current(flat) and not packing.is_current(flat)
+    assert not UnflattenPlan([0], [torch.zeros(4, 2, device=device).t()]).prepare(flat)  # non-contiguous
+    assert (plan.builds, packing.builds) == (1, 1)
