@@ -36,6 +36,7 @@ from benchmarks.environment import environment
 from benchmarks.outputs import add_output_arguments, output_dir
 from benchmarks.step import HOST_BOUND
 from benchmarks.tables import format_table, write_csv, write_markdown
+from benchmarks.timing import per_call_us
 from flashfsdp_dev.ranks import run_ranks
 
 COLUMNS = ("record_us", "hook_us", "collectives_per_step", "hooks_per_step", "step_ms", "bound_us", "bound_pct",
@@ -58,17 +59,6 @@ NOTES = [
 ]
 
 
-def per_call_us(fn, rounds: int = 5) -> float:
-    """Median over ``rounds`` of the µs per call of ``fn`` over :data:`CALLS` calls."""
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        times.append((time.perf_counter() - start) / CALLS * 1e6)
-    return statistics.median(times)
-
-
 def bookkeeping_us() -> tuple[float, float]:
     """(µs per collective's bookkeeping, µs per hook's), see the module docstring."""
     from flashfsdp.runtime import flight  # noqa: PLC0415
@@ -89,7 +79,7 @@ def bookkeeping_us() -> tuple[float, float]:
 
     flight.configure()
     try:
-        return per_call_us(collective), per_call_us(hook)
+        return per_call_us(collective, calls=CALLS), per_call_us(hook, calls=CALLS)
     finally:
         flight.configure()
 

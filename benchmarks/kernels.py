@@ -7,9 +7,11 @@ f = 8h/3 rounded up to a multiple of 256; two RMSNorm weights of h) and 1000 sma
 (deterministic sizes, multiples of 8 in 64..4096 elements); dtype pairs (input -> output) fp32->bf16,
 bf16->fp32, fp32->fp32. Per op:
 
-- flatten (copy-in / gradient packing): flashfsdp vs ``torch._foreach_copy_`` into split views of
+- flatten (copy-in / gradient packing): flashfsdp (the op, and a ``FlattenPlan`` built once, as a
+  caller that packs the same tensors every step holds it) vs ``torch._foreach_copy_`` into split views of
   the flat buffer, ``torch._chunk_cat`` (``num_chunks`` = world size 8) and a cast + ``torch.cat``;
-- unflatten (copy-out): flashfsdp vs ``torch.split_with_sizes_copy`` (same dtype only, it cannot
+- unflatten (copy-out): flashfsdp (the op, and the ``UnflattenPlan`` the runtime's copy-out holds)
+  vs ``torch.split_with_sizes_copy`` (same dtype only, it cannot
   cast) and ``torch._foreach_copy_`` from split views;
 - accumulate_grad_shard on the rank's shard (unit / 8 elements) with accumulate=True, scale=1/8:
   flashfsdp vs the unfused torch sequence (post-divide, cast-add into the gradient, a norm for
@@ -20,13 +22,19 @@ median time, GB/s, % of the copy ceiling and speedup over the fastest torch base
 ceiling is measured the same way for every dtype pair: once per op and case, the best of the
 repeats of ``dst.copy_(src)`` (bytes) moving what the case's fp32->fp32 job moves; %copy is a
 row's GB/s over the ceiling's. Without CUDA the flashfsdp rows run the plain-torch reference
-path and say so. Results go to ``kernels.{csv,md,png}`` in ``bench-results/<device>/`` (``--record``: ``benchmarks/results/<device>/``).
+path and say so. Results go to ``kernels.{csv,md,png}`` in ``bench-results/<device>/``
+(``--record``: ``benchmarks/results/<device>/``).
+
+``--host-only`` times the host side of flatten / unflatten alone instead (validation and segment
+table vs a launch plan's check, no launch: ``benchmarks/kernels_host.py``), which means the same on
+any machine; ``kernels_host.{csv,md}`` in the same folders.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 from pathlib import Path
 from typing import Callable
@@ -34,7 +42,7 @@ from typing import Callable
 import torch
 
 import flashfsdp.kernels as kernels
-from benchmarks import plots
+from benchmarks import kernels_host, plots
 from benchmarks.environment import Environment, environment, environment_columns
 from benchmarks.outputs import add_output_arguments, output_dir
 from benchmarks.tables import format_table, write_csv, write_markdown
@@ -44,6 +52,8 @@ from flashfsdp.kernels import dispatch
 WORLD_SIZE = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_PAIRS = (("fp32", "bf16"), ("bf16", "fp32"), ("fp32", "fp32"))
+PLAN = "flashfsdp (plan)"  # the op's launch plan, built once outside the timed calls
+OURS = ("flashfsdp", PLAN)
 COLUMNS = ["op", "case", "dtypes", "impl", "path", "MB", "time_ms", "GB/s", "%copy", "speedup"]
 
 
@@ -100,10 +110,14 @@ class Bench:
         return self._copy_ms[n_bytes]
 
     def rows(self, op: str, case: str, dtypes: str, n_bytes: int, ceiling_bytes: int,
-             flashfsdp: Callable[[], object], baselines: dict[str, Callable[[], object]]) -> list[dict]:
-        """Time ``flashfsdp`` and ``baselines`` (each moving ``n_bytes``) into rows, and the copy
-        ceiling of ``ceiling_bytes`` (the case's fp32->fp32 job, whatever this row's dtypes)."""
+             flashfsdp: Callable[[], object], baselines: dict[str, Callable[[], object]],
+             plan: Callable[[], object] | None = None) -> list[dict]:
+        """Time ``flashfsdp``, ``plan`` (its launch plan's run, if given) and ``baselines`` (each
+        moving ``n_bytes``) into rows, and the copy ceiling of ``ceiling_bytes`` (the case's
+        fp32->fp32 job, whatever this row's dtypes)."""
         times = {"flashfsdp": self.time(flashfsdp)}
+        if plan is not None:
+            times[PLAN] = self.time(plan)
         times.update({name: self.time(fn) for name, fn in baselines.items()})
         best_torch = min(times[name] for name in baselines)
         ceiling = gigabytes_per_second(ceiling_bytes, self.copy_ms(ceiling_bytes))
@@ -115,7 +129,7 @@ class Bench:
     def _row(self, op, case, dtypes, impl, n_bytes, ms, ceiling_gbps, speedup) -> dict:
         gbps = gigabytes_per_second(n_bytes, ms)
         return {"op": op, "case": case, "dtypes": dtypes, "impl": impl,
-                "path": self.flashfsdp_path if impl == "flashfsdp" else "torch",
+                "path": self.flashfsdp_path if impl in OURS else "torch",
                 "bytes": n_bytes, "MB": n_bytes / 1e6, "time_ms": ms, "GB/s": gbps, "%copy": 100.0 * gbps / ceiling_gbps,
                 "speedup": speedup, **self.env.stamp()}
 
@@ -161,8 +175,9 @@ def bench_flatten(bench: Bench, case, shapes, in_name, out_name) -> list[dict]:
         chunk_out = torch.empty(chunk_shape, dtype=out_dtype, device=bench.device)
         add_if_supported(baselines, "torch._chunk_cat", lambda: torch._chunk_cat(tensors, 0, WORLD_SIZE, out=chunk_out))
     n_bytes = total * (in_dtype.itemsize + out_dtype.itemsize)
+    plan = kernels.FlattenPlan(tensors, offsets)
     return bench.rows("flatten", case, f"{in_name}->{out_name}", n_bytes, total * 8,
-                      lambda: kernels.flatten(tensors, offsets, flat), baselines)
+                      lambda: kernels.flatten(tensors, offsets, flat), baselines, lambda: plan.run(flat))
 
 
 def bench_unflatten(bench: Bench, case, shapes, in_name, out_name) -> list[dict]:
@@ -177,8 +192,9 @@ def bench_unflatten(bench: Bench, case, shapes, in_name, out_name) -> list[dict]
         add_if_supported(baselines, "torch.split_with_sizes_copy",
                          lambda: torch.split_with_sizes_copy(flat, numels, 0, out=outs_1d))
     n_bytes = total * (in_dtype.itemsize + out_dtype.itemsize)
+    plan = kernels.UnflattenPlan(offsets, outs)
     return bench.rows("unflatten", case, f"{in_name}->{out_name}", n_bytes, total * 8,
-                      lambda: kernels.unflatten(flat, offsets, outs), baselines)
+                      lambda: kernels.unflatten(flat, offsets, outs), baselines, lambda: plan.run(flat))
 
 
 def bench_accumulate(bench: Bench, case, shapes, in_name, out_name) -> list[dict]:
@@ -218,6 +234,10 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement on CPU")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: steadier timings on a shared machine)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="time only the host side of flatten / unflatten per call (op vs plan, no launch; "
+                             "kernels_host.{csv,md})")
+    parser.add_argument("--calls", type=int, default=50, help="--host-only: calls per timed sample")
     parser.add_argument("--no-save", action="store_true", help="print only; write no result files")
     add_output_arguments(parser)
     return parser.parse_args(argv)
@@ -231,12 +251,33 @@ def main(argv=None) -> list[dict]:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     try:
+        if args.host_only:
+            return run_host(args, device)
         rows, env, path = run(args, device)
     finally:
         torch.set_num_threads(threads)
     print(format_table(rows, COLUMNS))
     if not args.no_save:
         save(rows, env, path, output_dir(env.slug, out=args.out, record=args.record))
+    return rows
+
+
+def run_host(args, device: torch.device) -> list[dict]:
+    """``--host-only``: :mod:`benchmarks.kernels_host`'s rows for flatten and unflatten, fp32
+    tensors and a bf16 buffer, per case; printed and saved as the other rows are."""
+    env = environment(device)
+    rows = []
+    for case, shapes in cases(args.sizes or [1024], not args.no_small).items():
+        tensors = make_tensors(shapes, DTYPES["fp32"], device)
+        offsets, _, total = layout(shapes)
+        flat = torch.empty(total, dtype=DTYPES["bf16"], device=device)
+        for op in ("flatten", "unflatten"):
+            rows += kernels_host.host_rows(op, case, tensors, offsets, flat, env, calls=args.calls,
+                                      repeats=args.repeats or 7)
+    print(format_table(rows, kernels_host.COLUMNS))
+    if not args.no_save:
+        kernels_host.save(rows, env, output_dir(env.slug, out=args.out, record=args.record), args.calls,
+                          args.repeats or 7)
     return rows
 
 
@@ -264,6 +305,8 @@ def save(rows: list[dict], env: Environment, flashfsdp_path: str, directory: Pat
     write_csv(rows, directory / "kernels.csv")
     notes = [
         f"flashfsdp path: {flashfsdp_path}.",
+        f"{PLAN}: the op's FlattenPlan / UnflattenPlan, built once before the timed calls (the runtime's "
+        "copy-out holds one per group): its run checks the buffer and the tensors' addresses, then launches.",
         "MB: bytes read + written by the job (10^6); GB/s: 10^9 bytes/s; %copy: this row's GB/s over the copy "
         "ceiling's; speedup: the fastest torch baseline's time over this row's.",
         "copy ceiling: measured the same way for every dtype pair, once per op and case: the best of the repeats "
@@ -278,18 +321,21 @@ def save(rows: list[dict], env: Environment, flashfsdp_path: str, directory: Pat
 
 
 def plot(rows: list[dict], path: Path, *, title: str):
-    """kernels.png: per op, GB/s of flashfsdp and the best torch baseline per case and dtype pair on
-    a log axis, under each case's copy ceiling (a line over the group); returns the figure."""
+    """kernels.png: per op, GB/s of flashfsdp (and its plan, where timed) and the best torch baseline
+    per case and dtype pair on a log axis, under each case's copy ceiling (a line over the group);
+    returns the figure."""
     panels, ceilings = {}, {}
     for op in dict.fromkeys(row["op"] for row in rows):
         op_rows = [row for row in rows if row["op"] == op]
         groups = list(dict.fromkeys(f"{row['case']} {row['dtypes']}" for row in op_rows))
-        series = {"flashfsdp": [], "best torch": []}
+        ours = [impl for impl in OURS if any(row["impl"] == impl for row in op_rows)]
+        series = {impl: [] for impl in (*ours, "best torch")}
         ceilings[op] = []
         for group in groups:
             group_rows = [row for row in op_rows if f"{row['case']} {row['dtypes']}" == group]
-            torch_rows = [row for row in group_rows if row["impl"] not in ("flashfsdp", "copy ceiling")]
-            series["flashfsdp"].append(next(row["GB/s"] for row in group_rows if row["impl"] == "flashfsdp"))
+            torch_rows = [row for row in group_rows if row["impl"] not in (*OURS, "copy ceiling")]
+            for impl in ours:
+                series[impl].append(next((row["GB/s"] for row in group_rows if row["impl"] == impl), math.nan))
             series["best torch"].append(max(row["GB/s"] for row in torch_rows))
             ceilings[op].append(next(row["GB/s"] for row in group_rows if row["impl"] == "copy ceiling"))
         panels[op] = (groups, series)

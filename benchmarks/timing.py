@@ -1,5 +1,6 @@
 """Timing an operation (:func:`measure_ms`: ``triton.testing.do_bench`` on CUDA, the median of
-``time.perf_counter`` intervals on CPU) and the throughput it reaches."""
+``time.perf_counter`` intervals on CPU; :func:`per_call_us`: host work too short to time one call
+at a time) and the throughput it reaches."""
 
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def measure_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
     return min(samples) if best else statistics.median(samples)
+
+
+def per_call_us(fn: Callable[[], object], *, calls: int, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean time of ``calls`` calls of ``fn``, in microseconds."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
 
 
 def gigabytes_per_second(n_bytes: int, ms: float) -> float:

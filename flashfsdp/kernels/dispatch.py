@@ -97,21 +97,33 @@ def select_backend(device: torch.device) -> Backend:
 
 
 def _implementation(op: str, device_of: object, tensors: Sequence = ()):
-    """The function running ``op`` for tensors on ``device_of``'s device (a non-tensor: the
-    reference, whose validation then raises the TypeError). Any float64 tensor among
-    ``device_of`` and ``tensors`` selects the reference too: the kernels compute in fp32.
-    Each choice is counted (:func:`backend_counts`)."""
+    """The function running ``op`` for tensors on ``device_of``'s device (:func:`op_backend`'s
+    choice; a non-tensor: the reference, whose validation then raises the TypeError)."""
     if not isinstance(device_of, torch.Tensor):
         return getattr(reference, op)
+    backend = op_backend(op, device_of, tensors)
+    return _TRITON_LAUNCHERS[op] if backend == "triton" else getattr(reference, op)
+
+
+def op_backend(op: str, device_of: torch.Tensor, tensors: Sequence = (), *, float64: bool | None = None) -> Backend:
+    """The backend that runs ``op`` now for tensors on ``device_of``'s device, counted in
+    :func:`backend_counts`: :func:`select_backend`'s, except that any float64 tensor among
+    ``device_of`` and ``tensors`` (or ``float64=True``, where the caller knows it without a scan)
+    selects the reference: the kernels compute in fp32.
+
+    Raises:
+        RuntimeError: as :func:`select_backend`.
+    """
     device_type = device_of.device.type
     backend = select_backend(device_of.device)
-    if backend == "triton" and _any_float64(device_of, tensors):
+    if backend == "triton" and (_any_float64(device_of, tensors) if float64 is None
+                                else float64 or device_of.dtype == torch.float64):
         backend = "reference"
     elif backend == "reference" and device_type == "cuda" and _forced_backend is None:
         _warn_cuda_on_reference()
     key = (op, backend, device_type)
     _counts[key] = _counts.get(key, 0) + 1
-    return _TRITON_LAUNCHERS[op] if backend == "triton" else getattr(reference, op)
+    return backend
 
 
 # (op, backend, device type) -> calls since the last reset_backend_counts(); a plain dict updated
@@ -142,7 +154,7 @@ def _warn_cuda_on_reference() -> None:
            else "the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)")
     warnings.warn(f"flashfsdp: CUDA tensors run the plain-torch reference kernels because {why}; "
                   f"unset TRITON_INTERPRET / install triton>={triton_support.MIN_TRITON} for the Triton kernels",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=4)
 
 
 def _any_float64(first: torch.Tensor, tensors: Sequence) -> bool:

@@ -31,7 +31,7 @@ import torch
 from flashfsdp.kernels.segments import ZERO_CODE, gap_segments, segment_table
 from flashfsdp.kernels.triton_helpers import cast_from_float32, find_segment, load_as_float32
 from flashfsdp.kernels.triton_support import tl, triton
-from flashfsdp.kernels.validation import validate_flatten
+from flashfsdp.kernels.validation import ScannedItems, validate_flatten
 
 BLOCK = 4096  # elements per program: 16 per thread at 8 warps, four 16-byte vectors of fp32
 NUM_WARPS = 8
@@ -71,11 +71,27 @@ def flatten_triton(
     those tensors). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     offsets, items, scale = validate_flatten(tensors, offsets, out, scale, numels)
+    return flatten_validated(tensors, offsets, items, out, scale)
+
+
+def flatten_validated(tensors: Sequence[torch.Tensor | None], offsets: list[int], items: ScannedItems,
+                      out: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`flatten_triton` after :func:`validate_flatten` returned ``(offsets, items, scale)``
+    (``items.addresses`` is modified: the copies' addresses replace the non-contiguous tensors');
+    returns ``out``."""
     addresses = items.addresses
     copies = []  # contiguous copies of non-contiguous tensors, alive until the launch is enqueued
     for i in items.noncontiguous:
         copies.append(tensors[i].contiguous())
         addresses[i] = copies[-1].data_ptr()
+    launch_flatten(flatten_table(offsets, items, out), out, scale)
+    return out
+
+
+def flatten_table(offsets: list[int], items: ScannedItems, out: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The segment table (:func:`~flashfsdp.kernels.segments.segment_table`: ``(table, n_blocks)``)
+    of a validated flatten whose every tensor ``i`` is read at ``items.addresses[i]`` (contiguous);
+    ``None`` when ``out`` has no element to write (nothing to launch)."""
     # One segment per non-empty entry (a None entry is a zero segment: address 0, ZERO_CODE), then
     # the ranges no entry covers, as zero segments too.
     sizes = np.asarray(items.sizes, dtype=np.int64)
@@ -84,18 +100,26 @@ def flatten_triton(
     lengths = sizes[nonempty]
     gap_starts, gap_lengths = gap_segments(starts, lengths, out.numel())
     if not len(lengths) and not len(gap_lengths):
-        return out
-    table, n_blocks = segment_table(
-        np.concatenate((np.asarray(addresses, dtype=np.int64)[nonempty], np.zeros_like(gap_starts))),
+        return None
+    return segment_table(
+        np.concatenate((np.asarray(items.addresses, dtype=np.int64)[nonempty], np.zeros_like(gap_starts))),
         np.concatenate((np.asarray(items.codes, dtype=np.int64)[nonempty], np.full_like(gap_starts, ZERO_CODE))),
         np.concatenate((starts, gap_starts)),
         np.concatenate((lengths, gap_lengths)),
         out, BLOCK,
     )
+
+
+def launch_flatten(prepared: tuple[torch.Tensor, int] | None, out: torch.Tensor, scale: float) -> None:
+    """Launch :func:`flatten_kernel` over ``prepared`` (:func:`flatten_table`'s result, built for a
+    buffer of ``out``'s dtype, size, device and address modulo 16) with a checked ``scale``;
+    nothing for ``None``."""
+    if prepared is None:
+        return
+    table, n_blocks = prepared
     # No multiply-add to fuse here; passing enable_fp_fusion keeps Triton 3.9 from warning about
     # its changing default.
     flatten_kernel[(n_blocks,)](
         table, table.shape[0], out, scale,
         BLOCK=BLOCK, APPLY_SCALE=scale != 1.0, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
-    return out

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from flashfsdp._torch_private import set_dtensor_local
-from flashfsdp.kernels import flatten, quantize_int8, unflatten
+from flashfsdp.kernels import UnflattenPlan, flatten, quantize_int8, unflatten
 
 from .dim_chunks import chunks_to_full, full_to_chunks
 from .extensions import as_plain, check_kept_subclasses, subclass_local
@@ -338,7 +338,7 @@ class FlatParam(GradShard):
             self._copy_out_targets = [
                 self.unsharded_flat[lay.unsharded_offsets[s.param_index] + s.param_offset:][: s.numel]
                 for s in lay.segments]
-            self._copy_out_sources = [s.gathered_offset for s in lay.segments]
+            self._copy_out = UnflattenPlan([s.gathered_offset for s in lay.segments], self._copy_out_targets)
         self._own_slice = self.gathered_slice(self.rank, self.world_size)
         self._unsharded_nbytes = lay.unsharded_size * self.unsharded_flat.element_size()
         self._gathered_nbytes = lay.gathered_size * self.unsharded_flat.element_size()
@@ -392,8 +392,8 @@ class FlatParam(GradShard):
         return self.gathered[rank * n : (rank + 1) * n]
 
     def copy_out(self) -> None:
-        """Move every chunk from the gathered buffer into the unsharded parameters (one
-        ``unflatten`` launch), then free the gathered buffer; nothing to do when zero-copy.
+        """Move every chunk from the gathered buffer into the unsharded parameters (one launch of
+        the kept ``UnflattenPlan``), then free the gathered buffer; nothing to do when zero-copy.
 
         The kernel's segments are runs of elements, which a chunk along a dim k != 0 is not
         (``Shard(k)`` parameters, ``layout.strided``): those parameters are reassembled along k
@@ -403,7 +403,7 @@ class FlatParam(GradShard):
             return
         with torch.no_grad():
             if self._copy_out_targets:
-                unflatten(self.gathered, self._copy_out_sources, self._copy_out_targets)
+                self._copy_out.run(self.gathered)
             for i in self.layout.strided:
                 chunks_to_full(self.gathered, self.layout, i, self.unsharded_data(i))
         self.free_gathered()

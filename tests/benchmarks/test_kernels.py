@@ -13,8 +13,9 @@ def test_benchmark_runs_and_writes_results(tmp_path):
         )
     assert {row["op"] for row in rows} == {"flatten", "unflatten", "accumulate_grad_shard"}
     assert {row["dtypes"] for row in rows} == {"fp32->bf16", "bf16->fp32", "fp32->fp32"}
-    ours = [row for row in rows if row["impl"] == "flashfsdp"]
+    ours = [row for row in rows if row["impl"] in ("flashfsdp", "flashfsdp (plan)")]
     assert ours and all(row["path"].startswith("reference path (CPU tensors") for row in ours)
+    assert {row["op"] for row in ours if row["impl"] == "flashfsdp (plan)"} == {"flatten", "unflatten"}
     assert all(row["time_ms"] > 0 and row["GB/s"] > 0 for row in rows)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.csv", "kernels.md", "kernels.png"]
     with open(tmp_path / "kernels.csv") as file:
@@ -43,5 +44,5 @@ def test_benchmark_labels_the_triton_path(tmp_path):
     with dispatch.use_triton():
         rows = kernel_benchmark.main(["--device", "cpu", "--sizes", "16", "--no-small", "--repeats", "1",
                                       "--ops", "flatten", "--no-save"])
-    ours = [row for row in rows if row["impl"] == "flashfsdp"]
-    assert ours and all(row["path"] == "triton (interpreter)" for row in ours)
+    ours = [row for row in rows if row["impl"] in ("flashfsdp", "flashfsdp (plan)")]
+    assert len(ours) == 6 and all(row["path"] == "triton (interpreter)" for row in ours)

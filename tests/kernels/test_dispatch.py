@@ -33,11 +33,13 @@ def test_public_names_are_the_dispatching_functions():
     import flashfsdp.kernels.quantize  # noqa: F401
     from flashfsdp.kernels import accumulate_grad_shard, dequantize_int8, flatten, quantize_int8, unflatten
 
-    assert kernels.__all__ == ["flatten", "unflatten", "accumulate_grad_shard", "quantize_int8", "dequantize_int8"]
+    assert kernels.__all__ == ["flatten", "unflatten", "accumulate_grad_shard", "quantize_int8", "dequantize_int8",
+                               "FlattenPlan", "UnflattenPlan"]
     assert (flatten, unflatten, accumulate_grad_shard, quantize_int8, dequantize_int8) == (
         dispatch.flatten, dispatch.unflatten, dispatch.accumulate_grad_shard, dispatch.quantize_int8,
         dispatch.dequantize_int8)
-    for function in (flatten, unflatten, accumulate_grad_shard, quantize_int8, dequantize_int8):
+    for function in (flatten, unflatten, accumulate_grad_shard, quantize_int8, dequantize_int8,
+                     kernels.FlattenPlan.run, kernels.UnflattenPlan.run):
         assert "Raises:" in function.__doc__ and "Args:" in function.__doc__
 
 
