@@ -134,3 +134,20 @@ def test_the_pytest_step_collects_exactly_the_files_with_gpu_tests():
     assert "tests/bindings/test_cuda_memory.py" in files and "tests/kernels/test_quantize.py" in files
     assert all("\n@pytest.mark.gpu\n" in (REPO / f).read_text() for f in files)
     assert "tests/test_architecture.py" not in files and "tests/benchmarks/test_gpu_check.py" not in files
+
+
+def test_the_kernel_step_judges_small_tensors_through_a_launch_plan(tmp_path, monkeypatch):
+    """The kernel step's verdict from benchmarks.kernels' rows: % of copy at hidden 4096, and the
+    1000-tensor speedup through a launch plan (the op's, validated per call, reported beside it)."""
+    from benchmarks import kernels
+
+    rows = [{"impl": "flashfsdp", "case": "llama-h4096", "%copy": 97.0, "speedup": 1.1},
+            {"impl": "flashfsdp", "case": "small-1000", "%copy": 0.4, "speedup": 0.2},
+            {"impl": "flashfsdp (plan)", "case": "small-1000", "%copy": 3.0, "speedup": 1.7},
+            {"impl": "torch._foreach_copy_", "case": "small-1000", "%copy": 1.5, "speedup": 1.0}]
+    monkeypatch.setattr(kernels, "main", lambda argv: rows)
+    outcome = STEPS["kernels"](Context(out=tmp_path, cuda=True, seconds_left=lambda: 1e9))
+    assert outcome.status == "ok" and outcome.data["min_speedup_small_plan"] == 1.7
+    assert "1.70x torch through a launch plan" in outcome.detail and "0.20x through the op" in outcome.detail
+    rows[2]["speedup"] = 1.2
+    assert STEPS["kernels"](Context(out=tmp_path, cuda=True, seconds_left=lambda: 1e9)).status == "failed"
