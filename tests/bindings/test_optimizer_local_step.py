@@ -71,7 +71,7 @@ def _seen_types(optimizer) -> list:
     return seen
 
 
-def _train(impl: str, make_optimizer, extra_group: bool = False, steps: int = 3) -> dict:
+def _train(impl: str, make_optimizer, extra_group: bool = False, steps: int = 3, between=None) -> dict:
     model = _sharded(impl)
     params = list(model.parameters())
     groups = [{"params": params}]
@@ -91,6 +91,8 @@ def _train(impl: str, make_optimizer, extra_group: bool = False, steps: int = 3)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if between is not None:
+            between(optimizer)
     state = optimizer.state_dict()
     return {
         "params": [p.to_local().clone() for p in optimizer.param_groups[0]["params"]],
@@ -149,6 +151,9 @@ def test_same_bits_and_state_types_as_fsdp2(optimizers, name):
 def _edge_cases(rank: int, world_size: int) -> dict:
     adam = lambda groups: torch.optim.Adam(groups, lr=1e-2)  # noqa: E731
     out = {"mixed": {impl: _train(impl, adam, extra_group=True) for impl in ("torch", "flashfsdp")},
+           # between steps: the state reloaded (new state dicts), a state value replaced, a group added
+           "changed": {impl: _train(impl, adam, extra_group=True, steps=4, between=_change_between_steps)
+                       for impl in ("torch", "flashfsdp")},
            "subclass": _train("flashfsdp", lambda groups: _SubclassedAdam(groups, lr=1e-2), steps=1)}
     # A step that raises (here in the closure, after the parameters were handed over) leaves the
     # local tensors in param_groups; the next step puts the parameters back first.
@@ -169,6 +174,21 @@ def _edge_cases(rank: int, world_size: int) -> dict:
     return out
 
 
+def _change_between_steps(optimizer) -> None:
+    """After step 1 reload the optimizer's state, after step 2 replace the first parameter's
+    ``exp_avg`` by a new tensor (halved), after step 3 add a group: each time what the hand-over
+    kept from the last step no longer holds."""
+    steps = int(next(iter(optimizer.state.values()))["step"])
+    if steps == 1:
+        optimizer.load_state_dict(optimizer.state_dict())
+    elif steps == 2:
+        first = optimizer.param_groups[0]["params"][0]
+        optimizer.state[first]["exp_avg"] = optimizer.state[first]["exp_avg"] * 0.5
+    elif steps == 3:
+        extra = optimizer.param_groups[-1]["params"].pop()
+        optimizer.add_param_group({"params": [extra], "lr": 1e-3})
+
+
 @pytest.fixture(scope="module")
 def edge_cases():
     return run_distributed(_edge_cases, W, timeout=300)
@@ -179,6 +199,13 @@ def test_a_group_with_a_dtensor_no_unit_owns_steps_dtensors(edge_cases):
         got, want = result["mixed"]["flashfsdp"], result["mixed"]["torch"]
         _assert_equal_runs(got, want, f"mixed groups, rank {rank}")
         assert got["seen"] == [[["Tensor"], ["DTensor"]]] * 3, got["seen"]
+
+
+def test_what_changes_between_steps_is_seen(edge_cases):
+    for rank, result in enumerate(edge_cases):
+        got, want = result["changed"]["flashfsdp"], result["changed"]["torch"]
+        _assert_equal_runs(got, want, f"state reloaded, replaced and a group added between steps, rank {rank}")
+        assert got["seen"][:3] == [[["Tensor"], ["DTensor"]]] * 3 and got["seen"][3] == [["Tensor"], [], ["DTensor"]]
 
 
 def test_a_subclass_steps_dtensors(edge_cases):
