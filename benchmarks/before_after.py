@@ -74,6 +74,13 @@ def summarise(runs: dict[str, list[list[dict]]], key: str) -> list[dict]:
     return sorted(out, key=lambda r: (r["table"], r.get(key, ""), r["checkout"] != "before"))
 
 
+def round_order(r: int) -> tuple[str, str]:
+    """Which checkout runs first in round ``r`` (0-based): before first in even rounds, after first
+    in odd ones, so that a machine that drifts during a round (warming up, other load) does not
+    favour one checkout; an even number of rounds balances it."""
+    return ("before", "after") if r % 2 == 0 else ("after", "before")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, run both checkouts interleaved, print and write the table.
 
@@ -100,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[list[dict]]] = {k: [] for k in trees}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for checkout, tree in trees.items():
+            for checkout in round_order(r):
                 out = Path(tmp) / f"{checkout}-{r}"
-                runs[checkout].append(run_once(tree, name, bench_args, out))
+                runs[checkout].append(run_once(trees[checkout], name, bench_args, out))
                 print(f"round {r + 1}/{args.rounds}: {checkout} done", flush=True)
     rows = summarise(runs, args.key)
     env = environment(__import__("torch").device("cpu"))
@@ -112,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     stem = f"before_after_{name}" + (f"_{args.tag}" if args.tag else "")
     write_csv(rows, directory / f"{stem}.csv")
     note = [f"`python -m benchmarks.before_after --before <checkout> --rounds {args.rounds} -- {' '.join(bench)}`: "
-            f"each checkout's run in a fresh process, interleaved; medians over the rounds of each row's "
+            f"each checkout's run in a fresh process, interleaved (before first in odd rounds, after first in even "
+            f"ones); medians over the rounds of each row's "
             f"numbers (ratios as each run computed them, against FSDP2 in the same run)."]
     write_markdown(rows, columns, directory / f"{stem}.md", title=f"Before / after: benchmarks.{name}", env=env,
                    notes=note)

@@ -28,3 +28,9 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--before", str(tmp_path), "--rounds", "0", "--", "step"])
     assert "--rounds must be >= 1" in capsys.readouterr().err
+
+
+def test_rounds_alternate_which_checkout_runs_first():
+    from benchmarks.before_after import round_order
+
+    assert [round_order(r) for r in range(4)] == [("before", "after"), ("after", "before")] * 2
