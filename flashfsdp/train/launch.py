@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from flashfsdp.train.config import DEFAULT_TIMEOUT_S, PROG, parse_options
 from flashfsdp.train.stopping import report_stop, stop_signal_of
+from flashfsdp_cli.train_sections import BY_KEY
 
 if TYPE_CHECKING:
     from flashfsdp.train.config import TrainConfig
@@ -229,6 +230,18 @@ def local_device(device_type: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+# The config sections every rank must share: what each rank computes (a path to local files,
+# --init-from, may differ between nodes).
+AGREED_SECTIONS = ("model", "training", "optimizer", "sharding")
+_LOCAL_KEYS = ("model.init_from",)
+
+
+def _agreed_values(config: TrainConfig) -> dict:
+    """This rank's option values of :data:`AGREED_SECTIONS` by dotted key."""
+    return {key: value for key, value in config.values().items()
+            if key.split(".", 1)[0] in AGREED_SECTIONS and key not in _LOCAL_KEYS}
+
+
 def agree_run_dir(config: TrainConfig, resume_from: str | None
                   ) -> tuple[TrainConfig, str | None]:
     """Rank 0's run directory and checkpoint to resume from, for every rank (collective).
@@ -244,16 +257,28 @@ def agree_run_dir(config: TrainConfig, resume_from: str | None
     Returns:
         (`config` with rank 0's `out`, rank 0's `resume_from`).
 
+    The same collective checks that every rank was given the same options for what it computes
+    (:data:`AGREED_SECTIONS`, e.g. `--tp`, `--lr`, `--seq-len`): ranks started with different ones
+    would build different meshes or models and hang in their first collective.
+
     Raises:
-        RuntimeError: on every rank, when resuming and the ranks found different checkpoints
-            (--out names different directories on different nodes, or one that not every node
-            shares); the message lists what each rank found.
+        RuntimeError: on every rank, when the ranks' options differ (the message names each
+            option and its value on every rank), or when resuming and the ranks found different
+            checkpoints (--out names different directories on different nodes, or one that not
+            every node shares); the message lists what each rank found.
     """
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (config.run.out, resume_from))
-    out, first = everyone[0]
-    if any(found != first for _, found in everyone):
-        found = "; ".join(f"rank {r}: {path} in {d}" for r, (d, path) in enumerate(everyone))
+    dist.all_gather_object(everyone, (config.run.out, resume_from, _agreed_values(config)))
+    differing = sorted(key for key in everyone[0][2] if len({repr(e[2].get(key)) for e in everyone}) > 1)
+    if differing:
+        found = "; ".join(f"{BY_KEY[key].flag} ({key}): "
+                          + ", ".join(f"rank {r}: {e[2].get(key)!r}" for r, e in enumerate(everyone))
+                          for key in differing)
+        raise RuntimeError(f"{PROG}: the ranks were started with different options ({found}); start every "
+                           "worker with the same command line and --config file")
+    out, first = everyone[0][:2]
+    if any(e[1] != first for e in everyone):
+        found = "; ".join(f"rank {r}: {e[1]} in {e[0]}" for r, e in enumerate(everyone))
         raise RuntimeError(
             f"{PROG}: --resume: the ranks found different checkpoints to continue from ({found}); "
             "give every node the same --out, on a file system they all share")

@@ -160,3 +160,20 @@ def test_ranks_take_rank_0s_run_directory_and_must_resume_the_same_checkpoint(tm
     for _, _, error in results:
         assert error is not None and "--resume: the ranks found different checkpoints" in error
         assert f"rank 1: {tmp_path / 'rank1' / 'checkpoints' / 'step_1'}" in error
+
+
+def _disagree(rank: int, world_size: int, tmp: str) -> str | None:
+    config = TrainConfig.from_argv(["--out", tmp, "--tp", str(1 + rank), "--lr", "0.001"])
+    try:
+        launch.agree_run_dir(config, None)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_started_with_different_options_are_refused_by_name(tmp_path):
+    """Workers started with different --tp would build different meshes and hang in their first
+    collective: every rank raises, naming the option and each rank's value (--lr agrees: not named)."""
+    for error in run_distributed(_disagree, 2, str(tmp_path), timeout=TIMEOUT_S):
+        assert error is not None and "the ranks were started with different options" in error
+        assert "--tp (sharding.tp): rank 0: 1, rank 1: 2" in error and "--lr" not in error
