@@ -1,5 +1,5 @@
-"""Test-suite set-up: which Triton mode the kernels get, one thread per process a test starts,
-`gpu` tests skipped without CUDA, and every `gpu` test checked to run the compiled Triton kernels.
+"""Test-suite set-up: which Triton mode the kernels get, `gpu` tests skipped without CUDA, and every
+`gpu` test checked to run the compiled Triton kernels.
 
 ``TRITON_INTERPRET`` (when the environment does not set it) defaults to 1 without CUDA, so that
 the Triton kernels run on CPU tensors under the interpreter, and to 0 with CUDA, so that a GPU
@@ -16,10 +16,6 @@ import torch
 
 if "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
-# Every process a test starts (training jobs, torchrun, spawned ranks) computes on one thread: the
-# tests check behaviour, and on a small machine with its cores busy, OpenMP threads that spin
-# waiting for a core slowed a one-rank training run ninefold.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
