@@ -38,7 +38,7 @@ def _tiny(out, eval_batches: int = 1) -> list[str]:
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # reference kernels
-    env["PYTHONUNBUFFERED"] = "1"
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # one thread per worker (see test_train.py)
     return env
 
 

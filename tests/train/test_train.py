@@ -15,7 +15,9 @@ from flashfsdp.checkpoint import latest
 
 def _train(*args: str, timeout: int = 420) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real CPU speed: reference kernels
-    env["PYTHONUNBUFFERED"] = "1"
+    # One thread per worker: a one-rank run would take every core, and on a loaded machine its
+    # OpenMP threads spin waiting for one (a ninefold slowdown with the other core busy).
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "flashfsdp.train", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
