@@ -45,8 +45,8 @@ class GradShard:
         self.accum_had_grad: list[bool] = [False] * len(self.shapes)
         self._reduce_layouts: dict[tuple[bool, ...], ShardLayout | None] = {}
         self._grad_tensors: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        # [Note: kept gradient DTensors]: the released buffer, its DTensors and its size in bytes
-        self._spare_grad: tuple[torch.Tensor, list[torch.Tensor], int] | None = None
+        # [Note: kept gradient DTensors]: the released buffer and its DTensors
+        self._spare_grad: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self._grad_holders: tuple | None = None
 
     def reduce_layout(self) -> ShardLayout | None:
@@ -65,9 +65,9 @@ class GradShard:
         if self.sharded_grad is None:
             spare, self._spare_grad = self._spare_grad, None
             if spare is not None:
-                buffer, nbytes = spare[0], spare[2]
-                buffer.untyped_storage().resize_(nbytes)
-                self.sharded_grad, self._grad_tensors = buffer.zero_(), spare[:2]
+                buffer = spare[0]
+                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())  # (a whole storage)
+                self.sharded_grad, self._grad_tensors = buffer.zero_(), spare
             else:
                 self.sharded_grad = self._new_shard(self.dtype, zeros=True)
         return self.sharded_grad
@@ -92,9 +92,8 @@ class GradShard:
                 and not buffer.is_pinned() and self._holders() == self._grad_holders)
         self.sharded_grad, self.grad_stats, self._grad_tensors = None, None, None
         if keep:
-            nbytes = buffer.untyped_storage().nbytes()
             buffer.untyped_storage().resize_(0)
-            self._spare_grad = (buffer, exposed[1], nbytes)
+            self._spare_grad = exposed
 
     def _holders(self) -> tuple:
         """What holds the gradient DTensors and their memory now: the Python references to each
