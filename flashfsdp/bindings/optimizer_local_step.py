@@ -26,9 +26,10 @@ that group steps the DTensors. Not inside ``torch.compile`` (a compiled step tra
 What the first step learned is kept for the next (``_Plan``): which parameters are handed over,
 their local tensors, and their states over the local tensors; a later step checks that nothing of
 it changed (the same ``param_groups`` lists, ``state`` dict, local tensors and state values) and
-swaps ``optimizer.state`` as a whole for the plan's dict keyed by the local tensors, so a step
-costs, per handed-over parameter, a few identity checks and setting and clearing the local
-tensor's ``.grad`` (about 1.6 µs on a 2-core AMD EPYC CPU); anything changed builds the plan again.
+swaps ``optimizer.state`` as a whole for the plan's dict keyed by the local tensors. The checks
+compare whole lists by identity in C (``map`` over ``operator.is_``), so a step costs, per
+handed-over parameter, reading its ``.grad`` and setting and clearing the local tensor's — about
+1 µs on a 2-core AMD EPYC CPU (0.43 ms for 434 parameters); anything changed builds the plan again.
 
 A step that raises leaves the local tensors in ``param_groups`` and the plan's dict as
 ``optimizer.state`` (torch runs no post-hook then); both are put back at the start of that
@@ -40,6 +41,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections import defaultdict
+from itertools import chain, repeat
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -62,27 +64,32 @@ _handles: tuple = ()
 class _Param:
     """One handed-over parameter: the DTensor, its local tensor and spec, its state as the
     optimizer holds it between steps (``state[param]``, DTensors) and the same state over the local
-    tensors (``local_state``, persistent from step to step), with the values each held when the
-    two last agreed (``snapshot``: DTensors, ``local_snapshot``: their locals)."""
+    tensors (``local_state``, persistent from step to step), with the values the local state held
+    when the two last agreed (``local_snapshot``)."""
 
-    __slots__ = ("param", "local", "spec", "state", "local_state", "snapshot", "local_snapshot")
+    __slots__ = ("param", "local", "spec", "state", "local_state", "local_snapshot")
 
     def __init__(self, param: DTensor, local: torch.Tensor, state: dict | None, local_state: dict):
         self.param, self.local, self.spec = param, local, param._spec
         self.state, self.local_state = state, local_state
-        self.snapshot = tuple(state.values()) if state is not None else ()
         self.local_snapshot = tuple(local_state.values())
 
 
 class _Plan:
     """How one optimizer's steps are handed over (see the module docstring), built at a step and
     kept for the next ones while nothing it depends on changed (:meth:`holds`): the
-    ``param_groups`` lists (the same objects, the same lengths), the optimizer's ``state`` dict,
-    each parameter's local tensor and its state's values (the same objects). Each step then costs,
-    per parameter, a few identity checks and setting and clearing the local tensor's ``.grad``;
-    ``optimizer.state`` is swapped as a whole for a dict keyed by the local tensors."""
+    ``param_groups`` lists (the same objects, the same lengths), the optimizer's ``state`` dict and
+    everything in it (the same keys, per-parameter dicts and values, by identity), each
+    parameter's local tensor. ``optimizer.state`` is swapped as a whole for a dict keyed by the
+    local tensors.
 
-    __slots__ = ("groups", "lists", "lengths", "local_lists", "state", "local_state", "params", "others")
+    The checks and hand-overs of a step that changes nothing run as comparisons by identity over
+    whole lists (``map`` with ``operator.is_``, ``attrgetter``), in C rather than a Python loop per
+    parameter; only a step that changes something (the first, a new state, a gradient that is not
+    the unit's own) walks the parameters one by one."""
+
+    __slots__ = ("groups", "lists", "lengths", "local_lists", "state", "local_state", "params", "others",
+                 "dparams", "locals", "specs", "local_dicts", "seen", "local_seen")
 
     def __init__(self, optimizer: torch.optim.Optimizer, handed: list[tuple[dict, list[_Param]]]):
         self.groups = list(optimizer.param_groups)
@@ -90,6 +97,9 @@ class _Plan:
         self.lengths = [len(p) for p in self.lists]
         self.state = optimizer.state
         self.params = [entry for _, entries in handed for entry in entries]
+        self.dparams = [e.param for e in self.params]
+        self.locals = [e.local for e in self.params]
+        self.specs = [e.spec for e in self.params]
         handed_ids = {id(e.param) for e in self.params}
         self.local_lists = {}
         for group, entries in handed:
@@ -103,6 +113,9 @@ class _Plan:
         for p in self.others:
             if p in self.state:
                 self.local_state[p] = self.state[p]
+        self.local_dicts = [e.local_state for e in self.params]
+        self.seen = _contents(self.state)
+        self.local_seen = _values_of(self.local_dicts)
 
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the plan still describes ``optimizer`` (see the class docstring)."""
@@ -112,34 +125,30 @@ class _Plan:
         for group, mine, plist, n in zip(groups, self.groups, self.lists, self.lengths):
             if group is not mine or group["params"] is not plist or len(plist) != n:
                 return False
-        state, local_state = self.state, self.local_state
-        for p in self.others:
-            if state.get(p) is not local_state.get(p):
-                return False
-        for e in self.params:
-            if e.param._local_tensor is not e.local:
-                return False
-            current = state.get(e.param)
-            if current is not e.state and (current or e.state):
-                return False
-            if current is not None and (len(current) != len(e.snapshot)
-                                        or not all(map(operator.is_, current.values(), e.snapshot))):
-                return False
-        return True
+        return (self.seen is not None and _contents(self.state) == self.seen
+                and all(map(_is, map(_LOCAL, self.dparams), self.locals)))
 
     def hand_over(self, optimizer: torch.optim.Optimizer) -> bool:
         """Give the step the local tensors, their gradients and states; False (nothing changed)
         where a gradient is not one the step may take as a local tensor."""
-        grads = []
-        for e in self.params:
-            grad = e.param.grad
-            if grad is not None:
-                grad = _local_like(grad, e.spec, e.local)
-                if grad is None:
-                    return False
-            grads.append(grad)
-        for e, grad in zip(self.params, grads):
-            e.local.grad = grad
+        grads = list(map(_GRAD, self.dparams))
+        try:  # every gradient the unit's own DTensor over a plain local tensor: no walk
+            fast = all(map(_is, map(_SPEC, grads), self.specs))
+        except AttributeError:  # a None or plain gradient
+            fast = False
+        if fast:
+            grads = list(map(_LOCAL, grads))
+            fast = all(map(_is, map(type, grads), repeat(torch.Tensor)))
+        if not fast:
+            locals_ = []
+            for grad, e in zip(grads, self.params):
+                if grad is not None:
+                    grad = _local_like(grad, e.spec, e.local)
+                    if grad is None:
+                        return False
+                locals_.append(grad)
+            grads = locals_
+        list(map(setattr, self.locals, repeat("grad"), grads))
         for group in self.groups:
             local = self.local_lists.get(id(group))
             if local is not None:
@@ -154,25 +163,71 @@ class _Plan:
         for group, plist in zip(self.groups, self.lists):
             group["params"] = plist
         optimizer.state = state = self.state
+        list(map(setattr, self.locals, repeat("grad"), repeat(None)))
+        changed = False
         local_state = self.local_state
         for p in self.others:  # a state the step created for a parameter not handed over
             if p not in state and p in local_state:
                 state[p] = local_state[p]
-        for e in self.params:
-            e.local.grad = None
-            mine = e.local_state
-            if len(mine) == len(e.local_snapshot) and all(map(operator.is_, mine.values(), e.local_snapshot)):
-                continue
-            if e.state is None:
-                e.state = state[e.param]
-            for key, value in mine.items():
-                old = e.state.get(key)
-                if isinstance(old, DTensor) and old._local_tensor is value:
+                changed = True
+        if _values_of(self.local_dicts) != self.local_seen:
+            changed = True
+            for e in self.params:
+                mine = e.local_state
+                if len(mine) == len(e.local_snapshot) and all(map(_is, mine.values(), e.local_snapshot)):
                     continue
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == e.local.shape:
-                    value = wrap_like(e.param, value)
-                e.state[key] = value
-            e.snapshot, e.local_snapshot = tuple(e.state.values()), tuple(mine.values())
+                if e.state is None:
+                    e.state = state[e.param]
+                for key, value in mine.items():
+                    old = e.state.get(key)
+                    if isinstance(old, DTensor) and old._local_tensor is value:
+                        continue
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == e.local.shape:
+                        value = wrap_like(e.param, value)
+                    e.state[key] = value
+                e.local_snapshot = tuple(mine.values())
+            self.local_seen = _values_of(self.local_dicts)
+        if changed:
+            self.seen = _contents(state)
+
+
+_is = operator.is_
+_LOCAL = operator.attrgetter("_local_tensor")
+_SPEC = operator.attrgetter("_spec")
+_GRAD = operator.attrgetter("grad")
+
+
+class _Same:
+    """A list compared by identity of its items (``==`` never calls the items' ``__eq__``:
+    tensors compare element-wise), with the lengths of the dicts it was flattened from."""
+
+    __slots__ = ("items", "lengths")
+
+    def __init__(self, items: list, lengths: list[int]):
+        self.items, self.lengths = items, lengths
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _Same) and self.lengths == other.lengths and len(self.items) == len(other.items)
+                and all(map(_is, self.items, other.items)))
+
+    __hash__ = None
+
+
+def _values_of(dicts: list[dict]) -> _Same:
+    """The values of ``dicts`` in order, as one list compared by identity."""
+    return _Same(list(chain.from_iterable(map(dict.values, dicts))), list(map(len, dicts)))
+
+
+def _contents(state: dict) -> _Same | None:
+    """What an optimizer's ``state`` holds (its keys, per-parameter dicts and their values) as
+    one list compared by identity; None where a per-parameter state is not a dict (a plan that
+    holds such a state is rebuilt at every step)."""
+    inner = list(state.values())
+    try:
+        values = _values_of(inner)
+    except TypeError:
+        return None
+    return _Same(list(state) + inner + values.items, values.lengths)
 
 
 def register_optimizer_local_step() -> None:

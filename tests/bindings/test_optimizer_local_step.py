@@ -71,7 +71,8 @@ def _seen_types(optimizer) -> list:
     return seen
 
 
-def _train(impl: str, make_optimizer, extra_group: bool = False, steps: int = 3, between=None) -> dict:
+def _train(impl: str, make_optimizer, extra_group: bool = False, steps: int = 3, between=None,
+           before_step=None) -> dict:
     model = _sharded(impl)
     params = list(model.parameters())
     groups = [{"params": params}]
@@ -89,6 +90,8 @@ def _train(impl: str, make_optimizer, extra_group: bool = False, steps: int = 3,
         if extra_group:
             loss = loss + (extra.to_local() * x[0, :4]).sum()
         loss.backward()
+        if before_step is not None:
+            before_step(params)
         optimizer.step()
         optimizer.zero_grad()
         if between is not None:
@@ -154,7 +157,9 @@ def _edge_cases(rank: int, world_size: int) -> dict:
            # between steps: the state reloaded (new state dicts), a state value replaced, a group added
            "changed": {impl: _train(impl, adam, extra_group=True, steps=4, between=_change_between_steps)
                        for impl in ("torch", "flashfsdp")},
-           "subclass": _train("flashfsdp", lambda groups: _SubclassedAdam(groups, lr=1e-2), steps=1)}
+           "subclass": _train("flashfsdp", lambda groups: _SubclassedAdam(groups, lr=1e-2), steps=1),
+           # before steps 2 and 3: a gradient set to None, then gradients replaced by new DTensors
+           "grads": {impl: _train(impl, adam, steps=4, before_step=_change_grads()) for impl in ("torch", "flashfsdp")}}
     # A step that raises (here in the closure, after the parameters were handed over) leaves the
     # local tensors in param_groups; the next step puts the parameters back first.
     model = _sharded("flashfsdp")
@@ -189,6 +194,22 @@ def _change_between_steps(optimizer) -> None:
         optimizer.add_param_group({"params": [extra], "lr": 1e-3})
 
 
+def _change_grads():
+    """A ``before_step`` that, before the second step, sets the first parameter's ``.grad`` to None
+    (the step skips it) and, before the third, replaces two gradients by new DTensors of the same
+    placements (not the unit's own gradient objects)."""
+    calls = []
+
+    def change(params):
+        calls.append(None)
+        if len(calls) == 2:
+            params[0].grad = None
+        elif len(calls) == 3:
+            params[1].grad = params[1].grad * 0.5
+            params[2].grad = params[2].grad.clone()
+    return change
+
+
 @pytest.fixture(scope="module")
 def edge_cases():
     return run_distributed(_edge_cases, W, timeout=300)
@@ -206,6 +227,13 @@ def test_what_changes_between_steps_is_seen(edge_cases):
         got, want = result["changed"]["flashfsdp"], result["changed"]["torch"]
         _assert_equal_runs(got, want, f"state reloaded, replaced and a group added between steps, rank {rank}")
         assert got["seen"][:3] == [[["Tensor"], ["DTensor"]]] * 3 and got["seen"][3] == [["Tensor"], [], ["DTensor"]]
+
+
+def test_gradients_set_to_none_or_replaced_are_stepped_as_on_fsdp2(edge_cases):
+    for rank, result in enumerate(edge_cases):
+        got, want = result["grads"]["flashfsdp"], result["grads"]["torch"]
+        _assert_equal_runs(got, want, f"gradients set to None and replaced, rank {rank}")
+        assert got["seen"] == [[["Tensor"]]] * 4, got["seen"]
 
 
 def test_a_subclass_steps_dtensors(edge_cases):
