@@ -23,21 +23,26 @@ from flashfsdp._torch_private import pytree
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in ``tree`` (depth first, each object once), in a deterministic order."""
+    """Every tensor in ``tree`` (depth first, each object once), in a deterministic order.
+
+    A loop over an explicit stack, not a nested recursive function: such a function refers to
+    itself through its closure, so every call would leave a reference cycle for the garbage
+    collector (this runs twice per unit and step; the cycles made a collection of the young
+    generation, about 1-2 ms on a CPU, happen at nearly every step)."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
-
-    def visit(x: Any) -> None:
+    stack = [tree]
+    while stack:
+        x = stack.pop()
         if isinstance(x, torch.Tensor):
             found.append(x)
-            return
+            continue
         if id(x) in seen:
-            return
+            continue
         seen.add(id(x))
-        for child in _children(x):
-            visit(child)
-
-    visit(tree)
+        children = _children(x)
+        children.reverse()
+        stack.extend(children)
     return found
 
 
