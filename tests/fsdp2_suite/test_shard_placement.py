@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 from tests.fsdp2_suite.common import FP32, broadcast_params, rank_seed, shard_transformer, train_parity
@@ -48,7 +48,7 @@ def check_placed(impl, model: nn.Module, ref: nn.Module, placement_of, mesh_plac
         assert isinstance(p, DTensor), f"{name}: {type(p).__name__}"
         assert p.placements == tuple(mesh_placements) + (Shard(dim),), f"{name}: {p.placements}"
         assert p.shape == ref_p.shape and impl.local(p).is_contiguous(), name
-        expected = distribute_tensor(ref_p.detach(), p.device_mesh, p.placements).to_local()
+        expected = impl.shard_of(ref_p.detach(), p)
         torch.testing.assert_close(impl.local(p), expected, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
         torch.testing.assert_close(p.full_tensor(), ref_p.detach(), rtol=0, atol=0)
     impl.record_types("params", [p for p in model.parameters()])
