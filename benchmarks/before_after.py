@@ -12,7 +12,14 @@ under the same load, and the checkouts with each other round by round.
     git worktree add /tmp/before HEAD~1
     python -m benchmarks.before_after --before /tmp/before --rounds 3 --record -- step --host-bound
 
-Writes ``before_after_<name>[_<tag>].csv`` / ``.md`` (``--record``: ``benchmarks/results/<device>/``).
+Also, per row, the ratio after / before of ``--paired`` columns (default ``step_ms``) within each
+round, whose two runs ran back to back: its median over the rounds, its range, and in how many
+rounds the after run had the lower number. A drift of the machine between rounds (the unsharded
+row, the same code in both checkouts, can move by several percent) cancels in these ratios, not
+in the medians of each checkout.
+
+Writes ``before_after_<name>[_<tag>].csv`` / ``.md`` (``--record``: ``benchmarks/results/<device>/``),
+the paired ratios as a second table in the ``.md`` and in ``before_after_<name>[_<tag>]_paired.csv``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from pathlib import Path
 
 from benchmarks.environment import environment
 from benchmarks.outputs import add_output_arguments, output_dir
-from benchmarks.tables import format_table, write_csv, write_markdown
+from benchmarks.tables import format_table, markdown_table, write_csv, write_markdown
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -74,6 +81,30 @@ def summarise(runs: dict[str, list[list[dict]]], key: str) -> list[dict]:
     return sorted(out, key=lambda r: (r["table"], r.get(key, ""), r["checkout"] != "before"))
 
 
+def paired(runs: dict[str, list[list[dict]]], key: str, columns: list[str]) -> list[dict]:
+    """Per row (``table`` and ``key`` column) and each of ``columns``: after / before within each
+    round (rows matched by table and key), as the median over the rounds, the smallest and largest
+    ratio, and ``lower_after`` = in how many rounds the after number was the lower one."""
+    out = []
+    for i, first in enumerate(runs["before"][0]):
+        name = (first["table"], first.get(key, ""))
+        for column in columns:
+            ratios = []
+            for before, after in zip(runs["before"], runs["after"]):
+                b = next((r for r in before if (r["table"], r.get(key, "")) == name), None)
+                a = next((r for r in after if (r["table"], r.get(key, "")) == name), None)
+                x = _number(b.get(column)) if b else None
+                y = _number(a.get(column)) if a else None
+                if x and y is not None:
+                    ratios.append(y / x)
+            if ratios:
+                out.append({"table": name[0], key: name[1], "column": column,
+                            "after_over_before": round(statistics.median(ratios), 4),
+                            "min": round(min(ratios), 4), "max": round(max(ratios), 4),
+                            "lower_after": f"{sum(r < 1 for r in ratios)}/{len(ratios)}"})
+    return out
+
+
 def round_order(r: int) -> tuple[str, str]:
     """Which checkout runs first in round ``r`` (0-based): before first in even rounds, after first
     in odd ones, so that a machine that drifts during a round (warming up, other load) does not
@@ -92,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each checkout, interleaved")
     parser.add_argument("--key", default="system", help="the column that names a row (default: system)")
     parser.add_argument("--tag", default="", help="suffix of the output files")
+    parser.add_argument("--paired", default="step_ms",
+                        help="comma-separated columns whose after/before ratio within each round is reported (default: step_ms)")
     add_output_arguments(parser)
     parser.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- NAME [ARGS...]: benchmarks.NAME and its arguments")
     args = parser.parse_args(argv)
@@ -112,9 +145,13 @@ def main(argv: list[str] | None = None) -> None:
                 runs[checkout].append(run_once(trees[checkout], name, bench_args, out))
                 print(f"round {r + 1}/{args.rounds}: {checkout} done", flush=True)
     rows = summarise(runs, args.key)
+    ratios = paired(runs, args.key, [c for c in args.paired.split(",") if c])
     env = environment(__import__("torch").device("cpu"))
     columns = ["checkout"] + [c for c in rows[0] if c not in ("checkout", "device", "torch", "triton", "date")]
     print(format_table(rows, columns))
+    ratio_columns = ["table", args.key, "column", "after_over_before", "min", "max", "lower_after"]
+    if ratios:
+        print(format_table(ratios, ratio_columns))
     directory = output_dir(env.slug, out=args.out, record=args.record)
     stem = f"before_after_{name}" + (f"_{args.tag}" if args.tag else "")
     write_csv(rows, directory / f"{stem}.csv")
@@ -124,6 +161,13 @@ def main(argv: list[str] | None = None) -> None:
             f"numbers (ratios as each run computed them, against FSDP2 in the same run)."]
     write_markdown(rows, columns, directory / f"{stem}.md", title=f"Before / after: benchmarks.{name}", env=env,
                    notes=note)
+    if ratios:
+        write_csv(ratios, directory / f"{stem}_paired.csv")
+        with (directory / f"{stem}.md").open("a") as fh:
+            fh.write("\n## After / before within each round\n\n"
+                     "The two runs of a round ran back to back: median over the rounds of after / before, its "
+                     "range, and the rounds in which the after run had the lower number.\n\n"
+                     + "\n".join(markdown_table(ratios, ratio_columns)) + "\n")
     print(f"wrote {directory / stem}.csv/.md")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.before_after import main, summarise
+from benchmarks.before_after import main, paired, summarise
 
 
 def test_medians_per_checkout_and_row_keep_text_columns():
@@ -34,3 +34,18 @@ def test_rounds_alternate_which_checkout_runs_first():
     from benchmarks.before_after import round_order
 
     assert [round_order(r) for r in range(4)] == [("before", "after"), ("after", "before")] * 2
+
+
+def test_paired_ratios_are_taken_within_each_round():
+    row = lambda system, step: {"system": system, "step_ms": str(step), "table": "t"}  # noqa: E731
+    runs = {"before": [[row("flashfsdp", 10), row("fsdp2", 20)], [row("flashfsdp", 20), row("fsdp2", 40)],
+                       [row("flashfsdp", 10), row("fsdp2", 20)]],
+            # rows in another order in one round: matched by table and system, not position
+            "after": [[row("flashfsdp", 9), row("fsdp2", 20)], [row("fsdp2", 44), row("flashfsdp", 19)],
+                      [row("flashfsdp", 11), row("fsdp2", 20)]]}
+    got = {(r["system"], r["column"]): r for r in paired(runs, "system", ["step_ms", "missing"])}
+    assert set(got) == {("flashfsdp", "step_ms"), ("fsdp2", "step_ms")}  # a column no row has: no entry
+    assert got[("flashfsdp", "step_ms")]["after_over_before"] == 0.95  # 0.9, 0.95, 1.1: the drift cancels
+    assert (got[("flashfsdp", "step_ms")]["min"], got[("flashfsdp", "step_ms")]["max"]) == (0.9, 1.1)
+    assert got[("flashfsdp", "step_ms")]["lower_after"] == "2/3"
+    assert got[("fsdp2", "step_ms")]["after_over_before"] == 1.0 and got[("fsdp2", "step_ms")]["lower_after"] == "0/3"
