@@ -69,10 +69,10 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, setup: _Ra
     dist.init_process_group(setup.backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = _call(setup, fn, rank, world_size, args)
-        torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+        _save_result({"ok": result}, out_dir, rank)
         dist.barrier()  # no rank tears the group down while another still talks to it
     except BaseException:
-        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        _save_result({"error": traceback.format_exc()}, out_dir, rank)
         raise
     finally:
         # The rank's models (reference cycles holding communicators and gloo work handles) go
@@ -80,6 +80,15 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, setup: _Ra
         # the process ("terminate called without an active exception") after the result was saved.
         gc.collect()
         dist.destroy_process_group()
+
+
+def _save_result(result: dict, out_dir: str, rank: int) -> None:
+    """Write ``rank{rank}.pt`` whole or not at all (a temporary file, then a rename): the spawner
+    kills the ranks still running once one has failed, and a rank killed while writing its
+    traceback left a truncated file that the failure report could not read."""
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def _rank_errors(out_dir: str, world_size: int) -> list[str]:

@@ -56,3 +56,22 @@ def test_a_rank_killed_by_a_signal_fails_the_call_with_its_python_stack():
     with pytest.raises(RanksFailed, match=r"(?s)--- rank 1: fatal signal before it returned ---.*Aborted.*"
                                           r"_aborts_on_rank_1"):
         spawn_ranks(_aborts_on_rank_1, 2, threads=1, timeout=120, start_method=start_method())
+
+
+def test_a_rank_killed_while_writing_its_result_leaves_no_truncated_file(tmp_path, monkeypatch):
+    # the spawner kills the ranks still running once one failed; one may be inside torch.save
+    from flashfsdp_dev import ranks
+
+    def save_then_die(obj, path):
+        with open(path, "wb") as fh:
+            fh.write(b"PK\x03\x04 truncated")
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(ranks.torch, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        ranks._save_result({"error": "Traceback ..."}, str(tmp_path), 0)
+    monkeypatch.undo()
+    assert not (tmp_path / "rank0.pt").exists()
+    # the report still reads every other rank and says which rank exited how
+    torch.save({"error": "Traceback: rank 1 failed"}, tmp_path / "rank1.pt")
+    assert failure_message(str(tmp_path), [None, 1]) == "--- rank 1 ---\nTraceback: rank 1 failed"
