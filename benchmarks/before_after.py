@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> None:
                 runs[checkout].append(run_once(trees[checkout], name, bench_args, out))
                 print(f"round {r + 1}/{args.rounds}: {checkout} done", flush=True)
     rows = summarise(runs, args.key)
-    ratios = paired(runs, args.key, [c for c in args.paired.split(",") if c])
+    wanted = [c for c in args.paired.split(",") if c]
+    unknown = [c for c in wanted if not any(c in row for row in rows)]
+    ratios = paired(runs, args.key, [c for c in wanted if c not in unknown])
     env = environment(__import__("torch").device("cpu"))
     columns = ["checkout"] + [c for c in rows[0] if c not in ("checkout", "device", "torch", "triton", "date")]
     print(format_table(rows, columns))
@@ -169,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
                      "range, and the rounds in which the after run had the lower number.\n\n"
                      + "\n".join(markdown_table(ratios, ratio_columns)) + "\n")
     print(f"wrote {directory / stem}.csv/.md")
+    if unknown:  # after writing what was measured: the rounds took minutes
+        parser.error(f"--paired {','.join(unknown)}: no such column in benchmarks.{name}'s tables (they have: "
+                     f"{', '.join(sorted({c for row in rows for c in row}))}); the rest was written")
 
 
 if __name__ == "__main__":

@@ -49,3 +49,19 @@ def test_paired_ratios_are_taken_within_each_round():
     assert (got[("flashfsdp", "step_ms")]["min"], got[("flashfsdp", "step_ms")]["max"]) == (0.9, 1.1)
     assert got[("flashfsdp", "step_ms")]["lower_after"] == "2/3"
     assert got[("fsdp2", "step_ms")]["after_over_before"] == 1.0 and got[("fsdp2", "step_ms")]["lower_after"] == "0/3"
+
+
+def test_an_unknown_paired_column_is_refused_after_the_tables_are_written(tmp_path, monkeypatch, capsys):
+    from benchmarks import before_after
+
+    (tmp_path / "before" / "flashfsdp").mkdir(parents=True)
+    (tmp_path / "before" / "flashfsdp" / "__init__.py").write_text("")
+    row = {"system": "flashfsdp", "step_ms": "10", "table": "t"}
+    monkeypatch.setattr(before_after, "run_once", lambda tree, name, args, out: [dict(row)])
+    with pytest.raises(SystemExit):
+        main(["--before", str(tmp_path / "before"), "--rounds", "1", "--out", str(tmp_path / "out"),
+              "--paired", "step_ms,stepms", "--", "step"])
+    err = capsys.readouterr().err
+    assert "--paired stepms: no such column" in err and "step_ms" in err
+    written = list((tmp_path / "out").rglob("before_after_step*"))
+    assert {p.name for p in written} >= {"before_after_step.md", "before_after_step_paired.csv"}
