@@ -105,6 +105,16 @@ def paired(runs: dict[str, list[list[dict]]], key: str, columns: list[str]) -> l
     return out
 
 
+def _write_paired(ratios: list[dict], columns: list[str], directory: Path, stem: str) -> None:
+    """``<stem>_paired.csv``, and the same table appended to ``<stem>.md``."""
+    write_csv(ratios, directory / f"{stem}_paired.csv")
+    with (directory / f"{stem}.md").open("a") as fh:
+        fh.write("\n## After / before within each round\n\n"
+                 "The two runs of a round ran back to back: median over the rounds of after / before, its "
+                 "range, and the rounds in which the after run had the lower number.\n\n"
+                 + "\n".join(markdown_table(ratios, columns)) + "\n")
+
+
 def round_order(r: int) -> tuple[str, str]:
     """Which checkout runs first in round ``r`` (0-based): before first in even rounds, after first
     in odd ones, so that a machine that drifts during a round (warming up, other load) does not
@@ -164,12 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     write_markdown(rows, columns, directory / f"{stem}.md", title=f"Before / after: benchmarks.{name}", env=env,
                    notes=note)
     if ratios:
-        write_csv(ratios, directory / f"{stem}_paired.csv")
-        with (directory / f"{stem}.md").open("a") as fh:
-            fh.write("\n## After / before within each round\n\n"
-                     "The two runs of a round ran back to back: median over the rounds of after / before, its "
-                     "range, and the rounds in which the after run had the lower number.\n\n"
-                     + "\n".join(markdown_table(ratios, ratio_columns)) + "\n")
+        _write_paired(ratios, ratio_columns, directory, stem)
     print(f"wrote {directory / stem}.csv/.md")
     if unknown:  # after writing what was measured: the rounds took minutes
         parser.error(f"--paired {','.join(unknown)}: no such column in benchmarks.{name}'s tables (they have: "
