@@ -18,6 +18,14 @@ rounds the after run had the lower number. A drift of the machine between rounds
 row, the same code in both checkouts, can move by several percent) cancels in these ratios, not
 in the medians of each checkout.
 
+``--bench-from-after``: a benchmark the ``--before`` checkout does not have (or has in an older
+form) runs from this checkout in both: the before runs put first on ``PYTHONPATH`` (and take as
+their working directory) a temporary folder holding only copies of this checkout's ``benchmarks/``
+and ``flashfsdp_dev/``, then the before tree, so that they measure the before ``flashfsdp`` with
+this checkout's benchmark code.
+
+    python -m benchmarks.before_after --before /tmp/before --bench-from-after -- small_units --rounds 2
+
 Writes ``before_after_<name>[_<tag>].csv`` / ``.md`` (``--record``: ``benchmarks/results/<device>/``),
 the paired ratios as a second table in the ``.md`` and in ``before_after_<name>[_<tag>]_paired.csv``.
 """
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,17 +47,29 @@ from benchmarks.outputs import add_output_arguments, output_dir
 from benchmarks.tables import format_table, markdown_table, write_csv, write_markdown
 
 HERE = Path(__file__).resolve().parent.parent
+# The packages --bench-from-after copies from this checkout for the before runs.
+BENCH_PACKAGES = ("benchmarks", "flashfsdp_dev")
 
 
-def run_once(tree: Path, name: str, args: list[str], out: Path) -> list[dict]:
+def run_once(tree: Path, name: str, args: list[str], out: Path, code: Path | None = None) -> list[dict]:
     """One run of ``benchmarks.<name>`` in checkout ``tree``; the rows of every CSV it wrote.
+
+    Args:
+        tree: the checkout whose ``flashfsdp`` (and, without ``code``, whose benchmarks) run.
+        name: the benchmark module under ``benchmarks``.
+        args: its arguments (``--out`` is added).
+        out: the folder it writes its tables to.
+        code: a folder from :func:`bench_code_folder` whose ``benchmarks`` and ``flashfsdp_dev``
+            run instead of ``tree``'s: first on ``PYTHONPATH`` and the working directory (which
+            ``python -m`` puts first on ``sys.path``, so ``tree``'s own cannot shadow them).
 
     Raises:
         RuntimeError: the run failed (its output's tail in the message).
     """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args, "--out", str(out)], cwd=tree,
-                          env=env, capture_output=True, text=True)
+    first = [str(code)] if code is not None else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*first, str(tree), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args, "--out", str(out)],
+                          cwd=code if code is not None else tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmarks.{name} in {tree} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     rows = []
@@ -56,6 +77,23 @@ def run_once(tree: Path, name: str, args: list[str], out: Path) -> list[dict]:
         with path.open() as fh:
             rows += [dict(row, table=path.stem) for row in csv.DictReader(fh)]
     return rows
+
+
+def bench_code_folder(source: Path, folder: Path) -> Path:
+    """``folder`` (created) holding copies of ``source``'s :data:`BENCH_PACKAGES` and nothing else
+    (no ``__pycache__``): the benchmark code that ``--bench-from-after`` runs against another
+    checkout's ``flashfsdp``. Returns ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for package in BENCH_PACKAGES:
+        shutil.copytree(source / package, folder / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return folder
+
+
+def has_benchmark(tree: Path, name: str) -> bool:
+    """Whether checkout ``tree`` holds the module ``benchmarks.<name>`` (a file or a package
+    with ``__main__.py``)."""
+    path = tree / "benchmarks" / Path(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
 
 
 def _number(value: str) -> float | None:
@@ -122,12 +160,7 @@ def round_order(r: int) -> tuple[str, str]:
     return ("before", "after") if r % 2 == 0 else ("after", "before")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse the command line, run both checkouts interleaved, print and write the table.
-
-    Raises:
-        SystemExit: bad arguments (``--before`` not a checkout, no benchmark named).
-    """
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=Path, required=True, help="checkout of the earlier code")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each checkout, interleaved")
@@ -135,9 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default="", help="suffix of the output files")
     parser.add_argument("--paired", default="step_ms",
                         help="comma-separated columns whose after/before ratio within each round is reported (default: step_ms)")
+    parser.add_argument("--bench-from-after", action="store_true",
+                        help="run this checkout's benchmarks (and flashfsdp_dev) against the --before checkout's "
+                             "flashfsdp: for a benchmark the before checkout does not have")
     add_output_arguments(parser)
     parser.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- NAME [ARGS...]: benchmarks.NAME and its arguments")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _benchmark(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The benchmark's name and arguments after ``--``, the other arguments checked (argparse's
+    error, naming the argument, for each bad one)."""
     bench = [a for a in args.benchmark if a != "--"] if args.benchmark else []
     if not bench:
         parser.error("name the benchmark after --, e.g. -- step --host-bound")
@@ -145,15 +186,45 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--before {args.before} is not a flashfsdp checkout (no flashfsdp/__init__.py)")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    name, bench_args = bench[0], bench[1:]
-    trees = {"before": args.before.resolve(), "after": HERE}
+    if not has_benchmark(HERE, bench[0]):
+        parser.error(f"benchmarks.{bench[0]}: no such benchmark in this checkout ({HERE / 'benchmarks'})")
+    if not args.bench_from_after and not has_benchmark(args.before, bench[0]):
+        parser.error(f"benchmarks.{bench[0]}: the --before checkout {args.before} does not have it; add "
+                     f"--bench-from-after to run this checkout's benchmark against its flashfsdp")
+    return bench
+
+
+def run_rounds(before: Path, name: str, bench_args: list[str], rounds: int, *,
+               bench_from_after: bool = False) -> dict[str, list[list[dict]]]:
+    """``rounds`` runs of ``benchmarks.<name>`` in each checkout, interleaved (:func:`round_order`):
+    per checkout ("before", "after"), per round, the rows of every CSV the run wrote.
+    ``bench_from_after``: the before runs take this checkout's benchmark code
+    (:func:`bench_code_folder`)."""
+    trees = {"before": before.resolve(), "after": HERE}
     runs: dict[str, list[list[dict]]] = {k: [] for k in trees}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
+        code = {"before": bench_code_folder(HERE, Path(tmp) / "bench-code") if bench_from_after else None,
+                "after": None}
+        for r in range(rounds):
             for checkout in round_order(r):
                 out = Path(tmp) / f"{checkout}-{r}"
-                runs[checkout].append(run_once(trees[checkout], name, bench_args, out))
-                print(f"round {r + 1}/{args.rounds}: {checkout} done", flush=True)
+                runs[checkout].append(run_once(trees[checkout], name, bench_args, out, code[checkout]))
+                print(f"round {r + 1}/{rounds}: {checkout} done", flush=True)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, run both checkouts interleaved, print and write the table.
+
+    Raises:
+        SystemExit: bad arguments (``--before`` not a checkout, no benchmark named, a benchmark
+            this checkout or, without ``--bench-from-after``, the before checkout lacks).
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    bench = _benchmark(parser, args)
+    name = bench[0]
+    runs = run_rounds(args.before, name, bench[1:], args.rounds, bench_from_after=args.bench_from_after)
     rows = summarise(runs, args.key)
     wanted = [c for c in args.paired.split(",") if c]
     unknown = [c for c in wanted if not any(c in row for row in rows)]
@@ -167,10 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     directory = output_dir(env.slug, out=args.out, record=args.record)
     stem = f"before_after_{name}" + (f"_{args.tag}" if args.tag else "")
     write_csv(rows, directory / f"{stem}.csv")
-    note = [f"`python -m benchmarks.before_after --before <checkout> --rounds {args.rounds} -- {' '.join(bench)}`: "
+    flag = " --bench-from-after" if args.bench_from_after else ""
+    note = [f"`python -m benchmarks.before_after --before <checkout>{flag} --rounds {args.rounds} -- {' '.join(bench)}`: "
             f"each checkout's run in a fresh process, interleaved (before first in odd rounds, after first in even "
             f"ones); medians over the rounds of each row's "
             f"numbers (ratios as each run computed them, against FSDP2 in the same run)."]
+    if args.bench_from_after:
+        note.append("--bench-from-after: both checkouts ran this checkout's benchmarks/ and flashfsdp_dev/ (copied "
+                    "first on PYTHONPATH for the before runs); only flashfsdp differed.")
     write_markdown(rows, columns, directory / f"{stem}.md", title=f"Before / after: benchmarks.{name}", env=env,
                    notes=note)
     if ratios:

@@ -41,7 +41,6 @@ flashfsdp step) to ``--out`` (default
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import math
 import statistics
@@ -55,8 +54,8 @@ from benchmarks.backward_all_gather import flashfsdp_backward_bytes, fsdp2_backw
 from benchmarks.environment import device_setup, environment_columns
 from benchmarks.outputs import add_output_arguments, output_dir
 from benchmarks.tables import format_table, write_csv, write_markdown
+from benchmarks.timing import interleaved_rounds
 from flashfsdp.runtime.memory import PeakMemoryMeter
-from flashfsdp_dev.ranks import run_ranks, single_process_group
 
 SYSTEMS = ("flashfsdp", "fsdp2", "ddp", "unsharded")
 # Run only when named in --systems: flashfsdp with all_gather_dtype=torch.int8 (ZeRO++ qwZ).
@@ -200,7 +199,7 @@ def _profiled(rank: int, system: str, model: nn.Module, step, device: torch.devi
                 step()
         summary = prof.summary()
         out.update(comm_ms=summary["comm_ms"] / steps, exposed_ms=summary["exposed_ms"] / steps,
-                   all_gather_bytes=_all_gathered_bytes(model, prof.spans) / steps,
+                   all_gather_bytes=_all_gathered_bytes(summary) / steps,
                    bwd_all_gather_bytes=flashfsdp_backward_bytes(summary) / steps)
         if rank == 0 and system == "flashfsdp":
             out["spans"] = [(s.kind, s.unit, s.stream, s.step, float(s.start), float(s.end)) for s in prof.spans
@@ -213,15 +212,12 @@ def _profiled(rank: int, system: str, model: nn.Module, step, device: torch.devi
     return out
 
 
-def _all_gathered_bytes(model: nn.Module, spans) -> int:
-    """Bytes this rank's all-gathers delivered over the traced ``spans`` (one ``all_gather`` span
-    per unshard of a unit, times the bytes of that unit's all-gathers)."""
-    from flashfsdp.runtime.quantized_gather import all_gather_nbytes  # noqa: PLC0415
-
-    units = {m._flashfsdp_state.unit.name: m._flashfsdp_state.unit for m in model.modules()
-             if m.__dict__.get("_flashfsdp_state") is not None}
-    per_unit = {name: all_gather_nbytes(u.groups, u.all_gather_dtype) for name, u in units.items()}
-    return sum(per_unit.get(s.unit, 0) for s in spans if s.kind == "all_gather")
+def _all_gathered_bytes(summary: dict) -> int:
+    """Bytes this rank's all-gathers delivered over a profile (``Profile.summary()``): its counters
+    of the bytes each unit's all-gathers write, forward and backward (T x param_dtype bytes per
+    unit, or the packed int8 chunks and scales; a unit gathered in a bucket counts its own)."""
+    counters = summary["counters"]
+    return counters.get("all_gather_bytes_forward", 0) + counters.get("all_gather_bytes_backward", 0)
 
 
 def _round_spreads(rounds: dict[str, list[list[dict]]]) -> dict[str, dict[str, tuple[float, float]]]:
@@ -433,14 +429,8 @@ def main(argv=None) -> list[dict]:
     """Run the benchmark (see the module docstring); return the rows written."""
     args = parse_args(argv)
     device, env, backend = device_setup(args.device)
-    # Systems run in turn, round after round (A B C D A B C D ...), so that a machine whose speed
-    # drifts (shared CPU cores) slows every system alike; each figure is the median over rounds.
-    rounds: dict[str, list[list[dict]]] = {system: [] for system in args.systems}
-    with single_process_group(backend) if args.in_process else contextlib.nullcontext():
-        for _ in range(args.rounds):
-            for system in args.systems:
-                rounds[system].append(run_ranks(_run_system, args.world_size, system, args, backend=backend,
-                                                in_process=args.in_process))
+    # each figure is the median over interleaved rounds of every system
+    rounds = interleaved_rounds(_run_system, args.systems, args, backend)
     spreads = _round_spreads(rounds)
     rows, spans, memory = _rows(rounds, args, env)
     rows = [{c: r[c] for c in COLUMNS} | env.stamp() for r in rows]

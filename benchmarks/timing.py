@@ -1,13 +1,15 @@
 """Timing an operation (:func:`measure_ms`: ``triton.testing.do_bench`` on CUDA, the median of
 ``time.perf_counter`` intervals on CPU; :func:`per_call_us`: host work too short to time one call
-at a time) and the throughput it reaches."""
+at a time), the throughput it reaches, and systems timed in interleaved rounds
+(:func:`interleaved_rounds`)."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from typing import Callable
+import contextlib
+from typing import Callable, Sequence
 
 import torch
 
@@ -50,3 +52,19 @@ def per_call_us(fn: Callable[[], object], *, calls: int, rounds: int = 5) -> flo
 def gigabytes_per_second(n_bytes: int, ms: float) -> float:
     """Throughput in GB/s (10^9 bytes per second)."""
     return n_bytes / (ms * 1e-3) / 1e9 if ms > 0 else math.inf
+
+
+def interleaved_rounds(run_system: Callable, systems: Sequence[str], args, backend: str) -> dict[str, list[list]]:
+    """Run every system in turn, round after round (A B C A B C ...), so that a machine whose speed
+    drifts (shared cores) slows every system alike: ``args.rounds`` rounds of
+    ``run_ranks(run_system, args.world_size, system, args)`` (in this process with ``args.in_process``).
+    Returns, per system, each round's per-rank results."""
+    from flashfsdp_dev.ranks import run_ranks, single_process_group  # noqa: PLC0415
+
+    rounds: dict[str, list[list]] = {system: [] for system in systems}
+    with single_process_group(backend) if args.in_process else contextlib.nullcontext():
+        for _ in range(args.rounds):
+            for system in systems:
+                rounds[system].append(run_ranks(run_system, args.world_size, system, args, backend=backend,
+                                                in_process=args.in_process))
+    return rounds

@@ -262,6 +262,7 @@ def _apply(model, setting: sim.Setting) -> None:
     assert setting.forward and setting.backward and setting.depth == 1, "only max_inflight and reshard vary here"
     model.set_max_inflight_all_gathers(setting.max_inflight)
     model.set_reshard_after_forward(setting.reshard_after_forward)
+    model.set_bucket_bytes(setting.bucket_bytes or 0)  # the settings here: unit by unit, as simulated
 
 
 class _Samples:

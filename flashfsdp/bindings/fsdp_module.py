@@ -269,6 +269,32 @@ class FSDPModule(TorchFSDPModule):
             raise ValueError(f"set_max_inflight_all_gathers: max_inflight must be an integer >= 0, got {max_inflight!r}")
         state_of(self, "set_max_inflight_all_gathers").set_max_inflight(max_inflight)
 
+    def set_bucket_bytes(self, nbytes: int) -> None:
+        """Let units that run back to back share their collectives, up to ``nbytes`` per bucket
+        (flashfsdp only; FSDP2 has no counterpart).
+
+        Where a unit is all-gathered, the units that come next in the step's order (forward: the
+        last step's forward order; backward: the reverse of this step's) and are gathered there
+        too are all-gathered with it in one collective, while their gathered bytes add up to at
+        most ``nbytes``; reductions likewise share one reduce-scatter in the order their gradients
+        become ready. Values are those of unit-by-unit collectives (each output element is the
+        same sum), every unit still unshards, reshards and reduces as its own settings say, and
+        memory grows by at most ``nbytes`` (parameters gathered a little ahead of their use,
+        gradients held until their bucket is packed). Default 8 MiB, or the environment variable
+        ``FLASHFSDP_BUCKET_BYTES`` read when the root's first forward runs; 0: every unit has its
+        own collectives, as in FSDP2. Only the root's value counts, for every unit under it. Units
+        that cannot share (int8 all-gathers, all-gather extensions, CPU offload, ``Shard(k)``
+        parameters with k != 0, post-forward regathers of ``reshard_after_forward=<int>``) keep
+        their own collectives. See ``runtime/step.py``, [Note: buckets].
+
+        Raises:
+            TypeError: ``nbytes`` is not an int.
+            ValueError: ``nbytes`` < 0; this module was never passed to ``fully_shard``; or it is
+                not the root (known once the root's first forward ran: then here, else at that
+                forward).
+        """
+        state_of(self, "set_bucket_bytes").set_bucket_bytes(nbytes)
+
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Unshard these units when this one starts its forward (replaces the implicit choice)."""
         where = "set_modules_to_forward_prefetch"

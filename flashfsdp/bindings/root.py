@@ -13,17 +13,32 @@ from __future__ import annotations
 
 import torch
 
-from flashfsdp.runtime import trace
+from flashfsdp.runtime import bucket, trace
+from flashfsdp.runtime.env import count_from_env
 from flashfsdp.runtime.schedule import PrefetchPolicy
 from flashfsdp.runtime.states import ShardState
-from flashfsdp.runtime.step import StepProtocol, UnitSettings
+from flashfsdp.runtime.step import DEFAULT_BUCKET_BYTES, StepProtocol, UnitSettings
 from flashfsdp.runtime.unit import PendingReduce
 from flashfsdp.runtime.tree import map_tensors
 
 from . import backward_check, elision
+from .autograd import outside_functorch
 from .optimizer_check import register_optimizer_check
 from .optimizer_local_step import register_optimizer_local_step
 from .structure import check_same_structure
+
+BUCKET_BYTES_ENV = "FLASHFSDP_BUCKET_BYTES"
+
+
+def default_bucket_bytes() -> int:
+    """The bucket size of a root whose ``set_bucket_bytes`` was not called: ``FLASHFSDP_BUCKET_BYTES``
+    (bytes; 0 turns buckets off) if set, else ``DEFAULT_BUCKET_BYTES``.
+
+    Raises:
+        ValueError: the variable is not a whole number of bytes >= 0.
+    """
+    return count_from_env(BUCKET_BYTES_ENV, DEFAULT_BUCKET_BYTES,
+                          "must be a whole number of bytes >= 0 (0 turns buckets off)")
 
 
 class RootContext:
@@ -34,11 +49,16 @@ class RootContext:
             included, in module order.
         policy: the prefetch policy.
         is_last_backward: ``FSDPModule.set_is_last_backward`` as set before the first forward.
+        bucket_bytes: ``FSDPModule.set_bucket_bytes`` (runtime/step.py, [Note: buckets]).
     """
 
-    def __init__(self, root, states: list, policy: PrefetchPolicy, is_last_backward: bool = True):
+    def __init__(self, root, states: list, policy: PrefetchPolicy, is_last_backward: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.root, self.states = root, states
-        self.step = StepProtocol(root, self, policy)
+        self.step = StepProtocol(root, self, policy, bucket_bytes=bucket_bytes)
+        self.buckets = bucket.Buckets()
+        # each unit's bucket classes, found once per step (bucket.py): state -> (gather, reduce)
+        self._classes: dict = {}
         self.step.is_last_backward = is_last_backward
         self.pending: list[PendingReduce] = []
         self.callback_task: int | None = None  # the backward whose final callback is queued
@@ -80,6 +100,30 @@ class RootContext:
     def prefetches_in_backward(self, state) -> bool:
         return elision.needs_backward_unshard(state)
 
+    def _bucket_classes(self, state) -> tuple:
+        classes = self._classes.get(state)
+        if classes is None:
+            classes = self._classes[state] = (bucket.all_gather_class(state.unit), bucket.reduce_class(state.unit))
+        return classes
+
+    def all_gather_bucket(self, state):
+        return self._bucket_classes(state)[0]
+
+    def unshard_together(self, states: list) -> None:
+        for state in states:
+            elision.count_unshard(state)
+        with outside_functorch():
+            self.buckets.unshard([state.unit for state in states])
+
+    def reduce_scatter_bucket(self, state):
+        return self._bucket_classes(state)[1] if state.requires_gradient_sync else None
+
+    def reduce_together(self, states: list) -> None:
+        self.check_backward()
+        pending = bucket.reduce_units([state.unit for state in states])
+        self.finish_pending()  # the earlier reductions had these units' backward to run behind
+        self.pending.extend(pending)
+
     # ---------------------------------------------------------------- the root's work
     def check_backward(self) -> None:
         """Once per step, at its backward's first hook (a unit's pre-backward, or else its first
@@ -108,6 +152,7 @@ class RootContext:
         stale (the step protocol), free unused gradient shards, and forget a forward without
         backward."""
         self.step.start_step(self.states)
+        self._classes.clear()  # settings may have changed between steps
         self.backward_checked = False
         for state in self.states:
             if self.forward_without_backward:
@@ -153,6 +198,7 @@ class RootContext:
         the step protocol reduces and ends the units whose post-backward did not run, reshards what
         should be, and with the step's last backward finishes the reductions; then the compute
         stream waits for the reduce-scatter stream."""
+        self.step.flush_reductions()  # the open bucket's units hold gradients that are being reduced
         unreduced = [state for state in self.states if state.needs_reduction()]
         undone = [state for state in self.states if state.end_backward_unfinished()]
         last = self.step.end_backward(unreduced, undone, lambda state: state.should_reshard_at_end())
@@ -197,7 +243,8 @@ def init_root(self) -> None:
     check_same_structure(states, error)
     register_optimizer_check()
     register_optimizer_local_step()  # after the check: it reads the parameters as given
-    ctx = RootContext(self, states, PrefetchPolicy(max_inflight=self.max_inflight), self.is_last_backward)
+    ctx = RootContext(self, states, PrefetchPolicy(max_inflight=self.max_inflight), self.is_last_backward,
+                      self.bucket_bytes if self.bucket_bytes_set else default_bucket_bytes())
     for state in states:
         state.ctx = ctx
 
@@ -211,6 +258,12 @@ def _check_root(self, states: list, names: dict[int, str]) -> None:
             f"fully_shard on a module that contains them all"
         )
     for state in states:
+        if state is not self and state.bucket_bytes_set:
+            raise ValueError(
+                f"set_bucket_bytes was called on '{names[id(state.module)]}' ({state.class_name}), which is not "
+                f"the root: the root's bucket size applies to every unit under it; call it on the root module "
+                f"({self.class_name}) instead"
+            )
         if state is not self and state.max_inflight_set:
             raise ValueError(
                 f"set_max_inflight_all_gathers was called on '{names[id(state.module)]}' "

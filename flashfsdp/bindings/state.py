@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from flashfsdp.runtime import trace
 from flashfsdp.runtime.states import ShardState, TrainingState
-from flashfsdp.runtime.step import ReshardAfterForward, UnitSettings
+from flashfsdp.runtime.step import DEFAULT_BUCKET_BYTES, ReshardAfterForward, UnitSettings, check_bucket_bytes
 from flashfsdp.runtime.unit import ShardedUnit
 from flashfsdp.runtime.init_window import close_init_windows
 from flashfsdp.runtime.tree import cast_floating, tensors_in
@@ -98,6 +98,8 @@ class FSDPState:
         self.ctx: RootContext | None = None
         self.max_inflight = 2  # prefetched units ahead of compute, when this state is the root
         self.max_inflight_set = False  # set_max_inflight_all_gathers was called (only the root may)
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES  # set_bucket_bytes of this state as a root
+        self.bucket_bytes_set = False  # set_bucket_bytes was called (only the root may)
         self.all_reduce_hook = None  # set_all_reduce_hook (W = 1 per replica group: called on the shards)
         self.gate = PostBackwardGate(self._on_grads_ready, self._on_backward_done)
         # Leaf outputs (a parameter or input returned as is) already hooked: id -> weak reference
@@ -193,6 +195,18 @@ class FSDPState:
         self.max_inflight_set = True
         if self.ctx is not None:
             self.ctx.step.policy.max_inflight = max_inflight
+
+    def set_bucket_bytes(self, nbytes: int) -> None:
+        """Raises ValueError if this state is known not to be the root (see ``FSDPModule.set_bucket_bytes``)."""
+        if self.ctx is not None and not self.is_root:
+            raise ValueError(
+                f"set_bucket_bytes: '{self.unit.name}' is not the root (its root is {self.ctx.root.class_name}); "
+                f"the root's bucket size applies to every unit under it: call it on the root module")
+        self.bucket_bytes = check_bucket_bytes(nbytes)
+        self.bucket_bytes_set = True
+        if self.ctx is not None:
+            self.ctx.step.flush_reductions()
+            self.ctx.step.bucket_bytes = self.bucket_bytes
 
     def set_separate_reduce_scatter_group(self, enable: bool) -> None:
         """Give the unit's reduce-scatters a communicator over a process group of their own."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from flashfsdp import MixedPrecisionPolicy  # the public name (the CLI is an application of the library)
 from flashfsdp.models import PRESETS, Llama
+from flashfsdp.runtime.step import DEFAULT_BUCKET_BYTES
 
 from .deepspeed import model_params
 from .estimate import OPTIMIZER_STATES, estimate
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--reshard-after-forward", type=_reshard, default=None, metavar="true|false|default|K")
     p.add_argument("--max-inflight", type=int, default=2, help="prefetched units ahead of compute")
+    p.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES, metavar="N",
+                   help="the most bytes units that share one all-gather or reduce-scatter move "
+                        f"(set_bucket_bytes; default: the runtime's, {DEFAULT_BUCKET_BYTES}); 0: none")
     p.add_argument("--sharding", choices=("full", "grad_op"), help="(hybrid: use --hsdp)")
     p.add_argument("--hsdp", type=int, metavar="S", help="hybrid sharding: shard groups of S ranks, W/S replicas")
     p.add_argument("--tp", type=int, default=1, metavar="N",
@@ -121,7 +125,8 @@ def _print_estimate(args) -> int:
                                   all_gather_dtype=torch.int8 if args.all_gather_dtype else None)
     sharding = "hybrid" if args.hsdp is not None else args.sharding
     options = dict(mp_policy=policy, optimizer=args.optimizer, reshard_after_forward=args.reshard_after_forward,
-                   max_inflight=args.max_inflight, sharding=sharding, shard_group_size=args.hsdp)
+                   max_inflight=args.max_inflight, sharding=sharding, shard_group_size=args.hsdp,
+                   bucket_bytes=args.bucket_bytes)
     tp = dict(tp=args.tp, tokens=args.tokens)
     try:
         name, model, units = _model(args)

@@ -46,12 +46,19 @@ class CommVolume:
 
     Attributes:
         all_gather_forward, all_gather_backward: all-gathered buffer bytes in each pass.
-        all_gathers: number of all-gathers in the step.
+        all_gathers: all-gather collectives in the step (a unit alone: one per flat group; a
+            bucket of units, ``runtime/step.py``'s [Note: buckets]: one per ``param_dtype``).
         reduce_scatter: reduce-scatter input bytes (all units).
         all_reduce: bytes all-reduced across replicas (hybrid sharding; 0 otherwise).
         sent: bytes this rank sends in all of them (ring model).
         ddp_all_reduce: the gradient bytes DDP all-reduces (no padding).
         ddp_sent: bytes a DDP rank sends for them (ring model, over all W ranks).
+        units_gathered: unit all-gathers in the step (a unit gathered in a bucket counts once;
+            ``all_gathers`` without buckets when every unit has one flat group).
+        reduce_scatters: reduce-scatter collectives in the step (a unit alone: one per trainable
+            group; a bucket: one).
+        all_reduces: all-reduces across replicas in the step (hybrid sharding: one per trainable
+            group, in a bucket too, as the runtime issues them; 0 otherwise).
     """
 
     all_gather_forward: int
@@ -62,6 +69,14 @@ class CommVolume:
     sent: float
     ddp_all_reduce: int
     ddp_sent: float
+    units_gathered: int = 0
+    reduce_scatters: int = 0
+    all_reduces: int = 0
+
+    @property
+    def collectives(self) -> int:
+        """The step's collectives on one rank: all-gathers, reduce-scatters and all-reduces."""
+        return self.all_gathers + self.reduce_scatters + self.all_reduces
 
     @property
     def ratio_to_ddp(self) -> float:
@@ -70,17 +85,22 @@ class CommVolume:
 
 
 def step_volume(units: list[UnitSpec], all_gathers: list[tuple[str, str, int]], world_size: int,
-                shard_group: int, all_gather_dtype: torch.dtype | None = None) -> CommVolume:
+                shard_group: int, all_gather_dtype: torch.dtype | None = None,
+                collectives: tuple[int, int] | None = None) -> CommVolume:
     """The step's communication from the walked all-gathers and every unit's one reduction.
 
     Args:
         units: the units laid out over ``shard_group`` ranks.
-        all_gathers: (unit name, "forward"/"backward", group size) of each all-gather of the step.
+        all_gathers: (unit name, "forward"/"backward", group size) of each unit's all-gather in
+            the step.
         world_size: W, all ranks; ``shard_group``: S, the ranks that shard one replica (W for
             full sharding).
         all_gather_dtype: None, or ``torch.int8``: the all-gathers over the shard group carry
             packed int8 (ZeRO++ qwZ); those from a post-forward sharding of fewer ranks gather
             ``param_dtype`` values, as the runtime does.
+        collectives: (all-gather, reduce-scatter) collectives of the step as the walk counted
+            them (``StepHoldings``: buckets share them); None: every unit alone (one per flat
+            group all-gathered, one per trainable group reduced).
     """
     by_name = {u.name: u for u in units}
     gathered = {"forward": 0, "backward": 0}
@@ -96,5 +116,9 @@ def step_volume(units: list[UnitSpec], all_gathers: list[tuple[str, str, int]], 
     all_reduce = sum(u.reduced_shard_bytes() for u in units) if replicas > 1 else 0
     sent += ring_sent(all_reduce, replicas, "all_reduce")
     ddp = sum(sum(g.layout.numels) * g.reduce_bytes for u in units for g in u.groups if g.trainable)
-    return CommVolume(gathered["forward"], gathered["backward"], len(all_gathers), reduce_scatter, all_reduce,
-                      sent, ddp, ring_sent(ddp, world_size, "all_reduce"))
+    reduced_groups = sum(1 for u in units for g in u.groups if g.trainable)
+    if collectives is None:
+        collectives = (sum(len(by_name[name].groups) for name, _, _ in all_gathers), reduced_groups)
+    return CommVolume(gathered["forward"], gathered["backward"], collectives[0], reduce_scatter, all_reduce,
+                      sent, ddp, ring_sent(ddp, world_size, "all_reduce"), units_gathered=len(all_gathers),
+                      reduce_scatters=collectives[1], all_reduces=reduced_groups if replicas > 1 else 0)

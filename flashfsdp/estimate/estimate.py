@@ -17,9 +17,12 @@ policy (``replay.py``):
   an int ``reshard_after_forward`` k, the 1/k slices kept after forward and until the backward
   ends), the unsharded gradients
   of the unit in backward (and of the root, whose backward spans the whole backward), the
-  reduce-scatter buffers (in ``reduce_dtype``, two units' at once: the packed input of W segments and
-  the reduced segment, each segment R the shard's S elements and one flag per parameter, padded to
-  the alignment, as ``runtime/reduce.py`` packs them).
+  reduce-scatter buffers (in ``reduce_dtype``, two reductions' at once: the packed input of W
+  segments and the reduced segment, each segment R the shard's S elements and one flag per
+  parameter, padded to the alignment, as ``runtime/reduce.py`` packs them). With buckets
+  (``bucket_bytes``, the runtime's default 8 MiB) units that run back to back are gathered
+  together, beside their bucket's gathered buffer, and reduced together, their gradients held
+  until the bucket is packed (``replay.py``): a model of small units holds more at once.
   Activations are not counted (they depend on batch, sequence and checkpointing).
 
 With ``tp`` > 1 the W ranks form a (W / tp, tp) mesh: the Llama TP plan (``flashfsdp.models.tp_plan``,
@@ -28,8 +31,9 @@ W / tp data-parallel ranks: the split weights' states are divided by W, the repl
 weights' by W / tp; the FSDP collectives run over the data-parallel ranks, and ``Estimate.tp_comm``
 counts the activations' TP collectives (``tp_comm.py``).
 
-Per step: the all-gathers (forward and backward), reduce-scatters and hybrid all-reduces, compared
-with DDP's all-reduce (``comm.py``: 3Ψ against 2Ψ, the 1.5× of ZeRO §7.2 and of the FSDP paper,
+Per step: the all-gathers (forward and backward), reduce-scatters and hybrid all-reduces, their
+bytes and how many collectives carry them (with ``bucket_bytes``, the runtime's default, small
+units that run back to back share one: ``replay.py``), compared with DDP's all-reduce (``comm.py``: 3Ψ against 2Ψ, the 1.5× of ZeRO §7.2 and of the FSDP paper,
 Zhao et al. 2023). DeepSpeed's ZeRO-3 formula for comparison is in ``deepspeed.py``.
 """
 
@@ -41,7 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from flashfsdp.runtime.step import resolve_reshard_after_forward
+from flashfsdp.runtime.step import DEFAULT_BUCKET_BYTES, check_bucket_bytes, resolve_reshard_after_forward
 from flashfsdp.models import Llama, LlamaConfig, config_from_preset
 from flashfsdp.models.tp_plan import check_tp_degree
 
@@ -72,6 +76,7 @@ class Estimate:
         transient_peak_bytes: the most the step allocates at once on top of the model states.
         comm: the step's FSDP communication (over the data-parallel ranks).
         tp: the TP degree; tp_comm: the step's TP communication (None without TP).
+        bucket_bytes: the bucket size the step was walked with (0: no buckets).
     """
 
     world_size: int
@@ -91,6 +96,7 @@ class Estimate:
     sharding: str
     tp: int = 1
     tp_comm: TPVolume | None = None
+    bucket_bytes: int = 0
 
     @property
     def replicas(self) -> int:
@@ -123,7 +129,7 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
              optimizer: str = "adamw", units=None, reshard_after_forward: bool | int | None = None,
              max_inflight: int = 2, sharding: str | None = None, mesh=None,
              shard_group_size: int | None = None, tp: int = 1, tokens: int | None = None,
-             shard_placement_fn=None) -> Estimate:
+             shard_placement_fn=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Estimate:
     """Memory per rank and communication per step of ``model_or_config`` sharded over W ranks
     (with ``tp`` > 1, a (W / tp, tp) mesh: see the module docstring).
 
@@ -152,6 +158,8 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
         tp: the tensor-parallel degree (1: none) of a ``Llama``; tokens: tokens of a TP group's
             step, for ``tp_comm`` (None: one sequence of ``max_seq_len``).
         shard_placement_fn: as ``fully_shard``'s (``Shard(k)`` or None per parameter).
+        bucket_bytes: the root's ``set_bucket_bytes`` (default: the runtime's, 8 MiB): the most
+            bytes units that share a collective move (``replay.py``); 0: every unit has its own.
 
     Returns:
         An :class:`Estimate` (bytes; ``flashfsdp.estimate.report`` formats it).
@@ -161,13 +169,10 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
             does not divide W or the model (or > 1 for a model not a ``Llama``); a mesh whose
             size is not W / tp; hybrid sharding without a shard group size, or one that does
             not divide W; ``reshard_after_forward`` not allowed (see ``fully_shard``); a negative
-            ``max_inflight``; ``units`` that are not submodules.
-        TypeError: ``model_or_config`` of another type.
+            ``max_inflight``; a negative ``bucket_bytes``; ``units`` that are not submodules.
+        TypeError: ``model_or_config`` of another type; ``bucket_bytes`` not an int.
     """
-    _check_count("world_size", world_size, 1)
-    _check_count("max_inflight", max_inflight, 0)
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"estimate: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
+    _check_args(world_size, max_inflight, optimizer, bucket_bytes)
     model = _as_model(model_or_config)
     sharding, group = _resolve_sharding(sharding, _check_tp(model, world_size, tp), mesh, shard_group_size)
     reshard_after_forward = _grad_op_reshard(sharding, reshard_after_forward)
@@ -176,8 +181,9 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
     all_gather_dtype = getattr(mp_policy, "all_gather_dtype", None)
     specs = build_units(model, units, group, param_dtype, reduce_dtype, param_placement(model, tp, shard_placement_fn))
     resolved = resolve_reshard_after_forward(reshard_after_forward, group)
-    held = walk_steady_step(specs, {u.name: resolved for u in specs}, group, max_inflight)
-    est = _assemble(specs, held, world_size, group, optimizer, sharding, model, all_gather_dtype, tp)
+    held = walk_steady_step(specs, {u.name: resolved for u in specs}, group, max_inflight, bucket_bytes,
+                            all_gather_dtype)
+    est = _assemble(specs, held, world_size, group, optimizer, sharding, model, all_gather_dtype, tp, bucket_bytes)
     return est if tp == 1 else replace(est, tp_comm=_tp_volume(model, tp, tokens, param_dtype))
 
 
@@ -212,7 +218,8 @@ def _check_tp(model: nn.Module, world_size: int, tp: int) -> int:
 
 
 def _assemble(specs: list[UnitSpec], held: StepHoldings, world_size: int, group: int, optimizer: str,
-              sharding: str, model: nn.Module, all_gather_dtype: torch.dtype | None, tp: int) -> Estimate:
+              sharding: str, model: nn.Module, all_gather_dtype: torch.dtype | None, tp: int,
+              bucket_bytes: int) -> Estimate:
     buffers, scalar_bytes = OPTIMIZER_STATES[optimizer]
     optimizer_bytes = sum(u.optimizer_state_bytes(buffers) + scalar_bytes * u.trainable_params() for u in specs)
     return Estimate(
@@ -222,8 +229,21 @@ def _assemble(specs: list[UnitSpec], held: StepHoldings, world_size: int, group:
         optimizer_bytes=optimizer_bytes, params_peak_bytes=held.params_peak, units_at_peak=held.units_at_peak,
         unsharded_grad_bytes=held.grads_peak, reduce_buffer_bytes=held.buffers_peak,
         transient_peak_bytes=held.transient_peak,
-        comm=step_volume(specs, held.all_gathers, world_size // tp, group, all_gather_dtype),
-        optimizer=optimizer, sharding=sharding, tp=tp)
+        comm=step_volume(specs, held.all_gathers, world_size // tp, group, all_gather_dtype,
+                         (held.all_gather_collectives, held.reduce_scatter_collectives)),
+        optimizer=optimizer, sharding=sharding, tp=tp, bucket_bytes=bucket_bytes)
+
+
+def _check_args(world_size, max_inflight, optimizer, bucket_bytes) -> None:
+    """The checks of ``estimate``'s plain arguments (its errors, each naming the argument)."""
+    _check_count("world_size", world_size, 1)
+    _check_count("max_inflight", max_inflight, 0)
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"estimate: unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
+    try:
+        check_bucket_bytes(bucket_bytes)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"estimate: {err}") from None
 
 
 def _check_count(name: str, value, minimum: int) -> None:

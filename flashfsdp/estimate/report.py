@@ -49,7 +49,7 @@ def memory_table(est: Estimate) -> str:
         _row("gradients (sharded)", est.grad_bytes),
         _row(f"optimizer state ({est.optimizer})", est.optimizer_bytes),
         _row(_params_peak_label(len(est.units_at_peak)), est.params_peak_bytes),
-        _row("unsharded gradients (unit in backward)", est.unsharded_grad_bytes),
+        _row("unsharded gradients (units not yet reduced)", est.unsharded_grad_bytes),
         _row("reduce-scatter pack + output buffers", est.reduce_buffer_bytes),
         _row("step peak on top of the states", est.transient_peak_bytes),
         _row("total per rank (no activations)", est.total_bytes),
@@ -63,7 +63,7 @@ def comm_table(est: Estimate) -> str:
     """Per-step communication of one rank, and DDP's all-reduce."""
     c = est.comm
     rows = [
-        _row(f"all-gathered, forward ({c.all_gathers} all-gathers in the step)", c.all_gather_forward),
+        _row("all-gathered, forward", c.all_gather_forward),
         _row("all-gathered, backward", c.all_gather_backward),
         _row(f"reduce-scattered (over {est.shard_group_size} ranks)", c.reduce_scatter),
     ]
@@ -72,7 +72,26 @@ def comm_table(est: Estimate) -> str:
     rows += [_row("sent per rank (ring)", c.sent), _row("DDP all-reduce of the gradients", c.ddp_all_reduce),
              _row("DDP sent per rank (ring)", c.ddp_sent)]
     table = _table(("per step", "bytes", "size"), rows) + f"\nsent / DDP's: {c.ratio_to_ddp:.2f}x"
+    table += "\n" + collectives_line(est)
     return table if est.tp_comm is None else table + "\n\n" + tp_comm_table(est)
+
+
+def collectives_line(est: Estimate) -> str:
+    """How many collectives carry the step's bytes on one rank, and the bucket size: "collectives
+    per step: 4 = 2 all-gathers (8 unit all-gathers), 2 reduce-scatters; buckets of up to 8 MiB"."""
+    c = est.comm
+    text = f"collectives per step: {c.collectives} = {_count(c.all_gathers, 'all-gather')}"
+    if c.units_gathered != c.all_gathers:
+        text += f" ({_count(c.units_gathered, 'unit all-gather')})"
+    text += f", {_count(c.reduce_scatters, 'reduce-scatter')}"
+    if c.all_reduces:
+        text += f", {_count(c.all_reduces, 'all-reduce')}"
+    buckets = f"buckets of up to {human_bytes(est.bucket_bytes)}" if est.bucket_bytes else "no buckets"
+    return f"{text}; {buckets}"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def tp_comm_table(est: Estimate) -> str:

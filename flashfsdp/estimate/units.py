@@ -33,6 +33,9 @@ class GroupSpec:
         reduce_bytes: bytes per element of ``reduce_dtype`` (gradient pack and reduce-scatter).
         trainable: whether the group's parameters require gradients.
         floating: whether ``param_dtype`` is floating (only such groups are all-gathered in int8).
+        param_dtype, reduce_dtype: the dtypes themselves, where known (which units share a
+            bucket's collective depends on them: ``runtime/bucket.py``); None: only their bytes
+            per element are known.
     """
 
     layout: ShardLayout
@@ -41,6 +44,8 @@ class GroupSpec:
     reduce_bytes: int
     trainable: bool
     floating: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
     def busiest_rank_elements(self) -> int:
         """Parameter elements (padding excluded) of the rank that holds the most: the size of its
@@ -220,7 +225,7 @@ def unit_spec(name: str, params: Sequence[torch.Tensor], world_size: int, param_
         align = align_elements([dtype.itemsize, pdt.itemsize, rdt.itemsize])
         shapes, dims = [shape for shape, _ in placed], [dim for _, dim in placed]
         groups.append(GroupSpec(ShardLayout.build(shapes, world_size, align, dims), dtype.itemsize, pdt.itemsize,
-                                rdt.itemsize, trainable, pdt.is_floating_point))
+                                rdt.itemsize, trainable, pdt.is_floating_point, pdt, rdt))
     return UnitSpec(name, tuple(groups))
 
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from flashfsdp.runtime.agreement import global_rank
 from flashfsdp.runtime.extensions import refuse_subclass_params
 from flashfsdp.runtime.flat_param import shards_written
-from flashfsdp.runtime.full_values import gather_flat
+from flashfsdp.runtime.full_values import gather_flat, gathered_to_unsharded, unsharded_to_local
 from flashfsdp.runtime.init_window import close_init_windows
 from flashfsdp.runtime.states import TrainingState
 
@@ -109,7 +109,7 @@ def _gather(unit, group, shard: torch.Tensor, target: torch.device | None) -> to
     """``shard`` (laid out like ``group``'s shard) of every rank, in the unsharded layout on ``target``."""
     full = torch.empty(group.layout.gathered_size, dtype=shard.dtype, device=unit.device)
     gather_flat(unit, group, shard, full)
-    return None if target is None else group.gathered_to_unsharded(full).to(target)
+    return None if target is None else gathered_to_unsharded(group, full).to(target)
 
 
 def _install(state, fulls: list) -> None:
@@ -131,5 +131,5 @@ def _write_back(state, buffers: dict) -> None:
     for group in state.unit.groups:
         flat = buffers.get(id(group))
         if flat is not None:
-            group.unsharded_to_local(flat.to(group.sharded_flat.device), group.sharded_flat)
+            unsharded_to_local(group, flat.to(group.sharded_flat.device), group.sharded_flat)
     shards_written()

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from flashfsdp._torch_private import set_dtensor_local
-from flashfsdp.kernels import UnflattenPlan, flatten, quantize_int8, unflatten
+from flashfsdp.kernels import UnflattenPlan, flatten, quantize_int8
 
 from .dim_chunks import chunks_to_full, full_to_chunks
 from .extensions import as_plain, check_kept_subclasses, subclass_local
@@ -134,7 +134,7 @@ class FlatParam(GradShard):
         self.subclass_locals: dict[int, torch.Tensor] = {}
         self.sharded_flat = self._new_shard(self.dtype)
         if self.shard_device.type != "meta":
-            self._fill_shard(self.sharded_flat, [None if i in self.subclass_positions else self._chunk_of(p.detach(), i)
+            self._fill_shard(self.sharded_flat, [None if i in self.subclass_positions else self.chunk_of(p.detach(), i)
                                                  for i, p in enumerate(params)])
         self.sharded_params = [self._make_sharded_param(i, requires_grad, p) for i, p in enumerate(params)]
         GradShard.__init__(self)
@@ -163,7 +163,7 @@ class FlatParam(GradShard):
         """:meth:`local_view` of every parameter."""
         return [flat[o : o + n].view(shape) for o, n, shape in self._chunks]
 
-    def _chunk_of(self, full: torch.Tensor, i: int) -> torch.Tensor:
+    def chunk_of(self, full: torch.Tensor, i: int) -> torch.Tensor:
         """This rank's chunk of a full-shape tensor of parameter ``i`` along its shard dim (FSDP2's
         ``torch.chunk``): a view, not contiguous along a dim other than 0."""
         k, rows, dim = self.layout.chunk_rows(i), self.layout.local_rows(self.rank, i), self.layout.dims[i]
@@ -257,7 +257,7 @@ class FlatParam(GradShard):
                 f"{want}: assign a full-shape tensor or a DTensor of the unit's placements")
         full_shape = self.specs[i].global_shape_of(self.shapes[i])
         if tuple(tensor.shape) == full_shape:
-            return self._chunk_of(self.specs[i].local_of_full(tensor.detach()), i)
+            return self.chunk_of(self.specs[i].local_of_full(tensor.detach()), i)
         raise ValueError(f"parameter '{self.fqns[i]}' was replaced by a tensor of shape {tuple(tensor.shape)}; its "
                          f"full shape is {full_shape}")
 
@@ -364,12 +364,16 @@ class FlatParam(GradShard):
         """Whether the unsharded buffer's storage is allocated."""
         return self.unsharded_flat.untyped_storage().nbytes() > 0
 
-    def alloc_unsharded(self) -> None:
-        """Re-materialise the unsharded and gathered buffers' storage in place (contents undefined)."""
-        for buffer, nbytes in ((self.unsharded_flat, self._unsharded_nbytes), (self.gathered, self._gathered_nbytes)):
-            storage = buffer.untyped_storage()
-            if storage.nbytes() != nbytes:
-                storage.resize_(nbytes)
+    def alloc_unsharded(self, gathered: bool = True) -> None:
+        """Re-materialise the unsharded and (unless ``gathered`` is False: an all-gather into a
+        bucket's buffer, ``bucket.py``) the gathered buffers' storage in place (contents undefined)."""
+        storage = self.unsharded_flat.untyped_storage()
+        if storage.nbytes() != self._unsharded_nbytes:
+            storage.resize_(self._unsharded_nbytes)
+        if gathered and self.gathered is not self.unsharded_flat:
+            storage = self.gathered.untyped_storage()
+            if storage.nbytes() != self._gathered_nbytes:
+                storage.resize_(self._gathered_nbytes)
 
     def free_gathered(self) -> None:
         """Free the gathered buffer's storage once copied out (nothing when it is the unsharded one)."""
@@ -408,34 +412,6 @@ class FlatParam(GradShard):
                 chunks_to_full(self.gathered, self.layout, i, self.unsharded_data(i))
         self.free_gathered()
 
-    def gathered_to_unsharded(self, gathered: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy-out of any W·S-element buffer in the gathered layout (e.g. master weights
-        all-gathered in their own dtype): a buffer in the unsharded layout (``out``, or new, of
-        ``gathered``'s dtype and device; one ``unflatten`` launch, and torch ops for the
-        ``Shard(k)`` parameters, k != 0, as in :meth:`copy_out`)."""
-        lay = self.layout
-        if out is None:
-            out = torch.empty(lay.unsharded_size, dtype=gathered.dtype, device=gathered.device)
-        if lay.zero_copy:
-            out.copy_(gathered[: lay.unsharded_size])
-            return out
-        targets = [out[lay.unsharded_offsets[s.param_index] + s.param_offset:][: s.numel] for s in lay.segments]
-        with torch.no_grad():
-            if targets:
-                unflatten(gathered, [s.gathered_offset for s in lay.segments], targets)
-            views = self.unsharded_views(out) if lay.strided else []
-            for i in lay.strided:
-                chunks_to_full(gathered, lay, i, views[i])
-        return out
-
-    def unsharded_to_local(self, unsharded: torch.Tensor, shard: torch.Tensor, positions=None) -> None:
-        """Write this rank's rows of each parameter (``positions``: those only) from a buffer in the
-        unsharded layout into a buffer in the shard layout (``summon_full_params``' write-back)."""
-        with torch.no_grad():
-            for i in range(len(self.shapes)) if positions is None else positions:
-                full = unsharded[self.layout.unsharded_offsets[i]:][: self.layout.numels[i]].view(self.shapes[i])
-                self.local_view(shard, i).copy_(self._chunk_of(full, i))
-
     def secondary_copy(self, parts: int, index: int) -> torch.Tensor:
         """A copy of slice ``index`` of ``parts`` of the gathered layout, built from the unsharded
         parameters (the gathered buffer is freed by then): what a rank keeps after forward when
@@ -455,6 +431,10 @@ class FlatParam(GradShard):
                 full_to_chunks(self.unsharded_data(i), self.layout, i, out,
                                ranks=range(index * per, (index + 1) * per))
         return out
+
+    def note_copy_in(self) -> None:
+        """Record that the shard is being copied in now (see [Note: stale unsharded parameters])."""
+        self.gathered_at = (_shard_epoch, self.sharded_flat._version)
 
     def copy_in(self) -> None:
         """Cast ``sharded_flat`` to ``param_dtype`` into this rank's slice of the gathered buffer

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 import time
 import weakref
 from typing import Iterator
 
 from flashfsdp._torch_private import current_graph_task_id
+
+from .env import count_from_env
 
 ENV_ENTRIES = "FLASHFSDP_FLIGHT_RECORDER"
 DEFAULT_ENTRIES = 2048
@@ -59,14 +60,7 @@ def _entries_from_env() -> int:
     Raises:
         ValueError: the variable is not an integer >= 0.
     """
-    raw = os.environ.get(ENV_ENTRIES, str(DEFAULT_ENTRIES)).strip()
-    try:
-        size = int(raw)
-    except ValueError:
-        size = -1
-    if size < 0:
-        raise ValueError(f"{ENV_ENTRIES}={raw!r}: set it to the number of collectives to keep (0: off)")
-    return size
+    return count_from_env(ENV_ENTRIES, DEFAULT_ENTRIES, "set it to the number of collectives to keep (0: off)")
 
 
 class _State:

@@ -1,7 +1,9 @@
 """Between a flat group's shard and its parameters' full values, without ``nn.Module``.
 
 :func:`gather_flat` (collective): every rank's shard of a group into one buffer of the gathered
-layout, from which the full parameters are cut out (the full state dicts, ``summon_full_params``).
+layout, from which the full parameters are cut out (the full state dicts, ``summon_full_params``):
+:func:`gathered_to_unsharded` lays such a buffer out as the unsharded one, and
+:func:`unsharded_to_local` writes this rank's rows of an unsharded buffer back into a shard.
 :func:`sharded_value_of` (local): a full-shape tensor or a DTensor of any placements as a tensor of
 a sharded parameter's kind, this rank's rows of it (loading state dicts, FSDP1's optimizer state).
 :func:`subclass_full_values` (collective): the full values of the parameters kept outside the flat
@@ -16,6 +18,9 @@ from typing import Any, Iterable
 
 import torch
 
+from flashfsdp.kernels import unflatten
+
+from .dim_chunks import chunks_to_full
 from .flat_param import FlatParam
 from .param_tags import tag_of
 from .sharding_spec import is_dtensor
@@ -34,6 +39,38 @@ def gather_flat(unit, group: FlatParam, shard: torch.Tensor, full: torch.Tensor)
     own = full[group.rank * S : (group.rank + 1) * S]
     own.copy_(shard)  # (a CPU-offloaded shard moves to the device)
     unit.comm.all_gather_into_tensor(full, own).wait()
+
+
+@torch.no_grad()
+def gathered_to_unsharded(group: FlatParam, gathered: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy-out of any W·S-element buffer in ``group``'s gathered layout (e.g. master weights
+    all-gathered in their own dtype): a buffer in the unsharded layout (``out``, or new, of
+    ``gathered``'s dtype and device; one ``unflatten`` launch, and torch ops for the ``Shard(k)``
+    parameters, k != 0, as ``FlatParam.copy_out``)."""
+    lay = group.layout
+    if out is None:
+        out = torch.empty(lay.unsharded_size, dtype=gathered.dtype, device=gathered.device)
+    if lay.zero_copy:
+        out.copy_(gathered[: lay.unsharded_size])
+        return out
+    targets = [out[lay.unsharded_offsets[s.param_index] + s.param_offset:][: s.numel] for s in lay.segments]
+    if targets:
+        unflatten(gathered, [s.gathered_offset for s in lay.segments], targets)
+    views = group.unsharded_views(out) if lay.strided else []
+    for i in lay.strided:
+        chunks_to_full(gathered, lay, i, views[i])
+    return out
+
+
+@torch.no_grad()
+def unsharded_to_local(group: FlatParam, unsharded: torch.Tensor, shard: torch.Tensor, positions=None) -> None:
+    """Write this rank's rows of each parameter of ``group`` (``positions``: those only) from a
+    buffer in the unsharded layout into a buffer in the shard layout (``summon_full_params``'
+    write-back)."""
+    lay = group.layout
+    for i in range(len(group.shapes)) if positions is None else positions:
+        full = unsharded[lay.unsharded_offsets[i]:][: lay.numels[i]].view(group.shapes[i])
+        group.local_view(shard, i).copy_(group.chunk_of(full, i))
 
 
 def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor:
@@ -61,7 +98,7 @@ def sharded_value_of(value: Any, param: torch.Tensor, name: str) -> torch.Tensor
     tag = tag_of(param)
     group = tag.group
     full = group.specs[tag.index].local_of_full(value.detach())  # (a tensor-parallel one: its TP-local part)
-    local = group._chunk_of(full, tag.index).to(device=param.device).contiguous()
+    local = group.chunk_of(full, tag.index).to(device=param.device).contiguous()
     return group.wrap_local(local, tag.index)
 
 

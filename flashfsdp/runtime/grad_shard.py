@@ -27,7 +27,7 @@ class GradShard:
     """Mixin of :class:`~flashfsdp.runtime.flat_param.FlatParam` holding its gradient shard.
 
     It reads the FlatParam's ``layout``, ``rank``, ``shapes``, ``spec``, ``sharded_params`` and
-    ``local_view`` / ``_new_shard`` / ``_chunk_of``.
+    ``local_view`` / ``_new_shard`` / ``chunk_of``.
 
     Attributes:
         sharded_grad: the gradient shard (S elements, the master dtype) or None.
@@ -124,7 +124,7 @@ class GradShard:
         if is_dtensor(grad):
             return local_of(grad)
         if tuple(grad.shape) == self.shapes[i] and tuple(grad.shape) != self.layout.local_shape(self.rank, i):
-            return self._chunk_of(grad, i)
+            return self.chunk_of(grad, i)
         return grad
 
     def prepare_grad_accumulation(self) -> bool:

@@ -141,7 +141,7 @@ def full_view(param: torch.Tensor) -> torch.Tensor:
                           device=group.sharded_flat.device)
         with torch.no_grad(), DisableTorchFunctionSubclass():
             for i, full in enumerate(_full_views(group, flat)):
-                group._chunk_of(full, i).copy_(group.local_view(group.sharded_flat, i))
+                group.chunk_of(full, i).copy_(group.local_view(group.sharded_flat, i))
         _ACTIVE[key] = (group, flat)
     return _full_views(group, _ACTIVE[key][1])[tag.index]
 
@@ -155,7 +155,7 @@ def _deactivate(key: int) -> None:
     group, flat = _ACTIVE.pop(key)
     with torch.no_grad(), DisableTorchFunctionSubclass():
         for i, full in enumerate(_full_views(group, flat)):
-            group.local_view(group.sharded_flat, i).copy_(group._chunk_of(full, i))
+            group.local_view(group.sharded_flat, i).copy_(group.chunk_of(full, i))
     shards_written()
 
 

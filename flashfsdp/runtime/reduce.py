@@ -103,6 +103,7 @@ class ReduceLayout:
         self.dense = keep == tuple(range(len(layout.shapes)))
         # flatten's offsets and numels of every pack: the entries', then one run of flags per segment
         self.pack_offsets = [o for _, _, o, _ in self.entries] + list(self.flag_offsets)
+        self.pack_ranks = [s.rank for s in layout.segments] + list(range(layout.world_size))  # per pack entry
         self.pack_numels = [n for *_, n in self.entries] + [len(keep)] * len(self.flag_offsets)
         # the entries that take a whole gradient (W = 1, or a parameter on one rank): no slice
         self.whole = tuple(s.param_offset == 0 and s.numel == math.prod(layout.shapes[s.param_index])
@@ -246,9 +247,32 @@ class PendingReduce:
         self.keepalive.clear()
 
 
-def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
-    """Pack and reduce-scatter (asynchronously) one trainable group's unsharded gradients; None if
-    it has none. The unsharded parameters' ``.grad`` and the no-sync buffer are released."""
+@dataclass
+class Reduction:
+    """What one group's next reduction takes, read before its pack (:func:`prepare_reduction`).
+
+    Attributes:
+        grads: the unsharded gradients to reduce, as plain tensors (None: no gradient).
+        local: per parameter, it got a gradient on this rank (or in the no-sync buffer).
+        had: per parameter, its sharded parameter holds a gradient (the reduction adds to it).
+        accumulate: the gradient shard holds a gradient to add to.
+        rlayout: the reduce-scatter layout.
+        reduce_dtype: the reduction's dtype; f_pre, f_post: its divide factors.
+    """
+
+    grads: list
+    local: list
+    had: list
+    accumulate: bool
+    rlayout: ReduceLayout
+    reduce_dtype: torch.dtype
+    f_pre: float
+    f_post: float
+
+
+def prepare_reduction(unit: "ShardedUnit", group: FlatParam) -> Reduction | None:
+    """Read what ``group``'s reduction takes (its gradient shard made to hold what the ``.grad``
+    fields say); None if the group is frozen or has no gradient to reduce."""
     grads = group.unsharded_grads()  # plain tensors (a subclass's copied, a TP DTensor's local)
     local = [g is not None or acc for g, acc in zip(grads, group.accum_had_grad)]
     if not group.requires_grad or not any(local):
@@ -258,18 +282,27 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
     f_pre, f_post = divide_factors(unit, reduce_dtype)
     had = group.had_grads()
     accumulate = group.prepare_grad_accumulation()
-    rlayout = ReduceLayout.of(group)
+    return Reduction(grads, local, had, accumulate, ReduceLayout.of(group), reduce_dtype, f_pre, f_post)
+
+
+def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
+    """Pack and reduce-scatter (asynchronously) one trainable group's unsharded gradients; None if
+    it has none. The unsharded parameters' ``.grad`` and the no-sync buffer are released."""
+    prepared = prepare_reduction(unit, group)
+    if prepared is None:
+        return None
+    reduce_dtype, rlayout, local, f_pre = prepared.reduce_dtype, prepared.rlayout, prepared.local, prepared.f_pre
     streams, rs = unit.streams, unit.streams.reduce_scatter
     # Packing runs on the compute stream (FSDP2's foreach_reduce), so that the gradients can go
     # at once; the reduce-scatter stream waits on it (use). See streams.py, [Note: memory safety].
     with torch.no_grad(), trace.span("pack", unit.name, "compute" if streams.is_cuda else "reduce_scatter"):
-        packed = pack(group, grads, local, reduce_dtype, 1.0 / f_pre, rlayout, unit.device)
+        packed = pack(group, prepared.grads, local, reduce_dtype, 1.0 / f_pre, rlayout, unit.device)
     with streams.use(rs), torch.no_grad():
         output = torch.empty(rlayout.segment, dtype=reduce_dtype, device=unit.device)
         with trace.issuing("reduce_scatter", unit.name, rs) as issued:
             work = issued.track((unit.rs_comm or unit.comm).reduce_scatter_tensor(output, packed, op="sum"))
-        pending = PendingReduce(unit, group, work, output, accumulate, 1.0 / f_post, rlayout, [packed], issued,
-                                local, had)
+        pending = PendingReduce(unit, group, work, output, prepared.accumulate, 1.0 / prepared.f_post, rlayout,
+                                [packed], issued, local, prepared.had)
         read_event = streams.record(rs)  # the reduce-scatter has read ``packed``
         if streams.is_cuda:  # HSDP: enqueue the all-reduce behind it (see [Note: HSDP all-reduce])
             pending.start_all_reduce()
@@ -281,31 +314,47 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
     return pending
 
 
-def pack(group: FlatParam, grads: list, local: list[bool], reduce_dtype: torch.dtype, scale: float,
-         rlayout: ReduceLayout, device: torch.device) -> torch.Tensor:
-    """The reduce-scatter input (W segments of ``rlayout.segment`` elements, ``reduce_dtype``):
-    chunk r of each reduced gradient, scaled, at rank r's segment's shard offsets, then the
-    flags ``local`` of the reduced parameters in every segment; one ``flatten`` launch. The
-    chunks of ``Shard(k)`` gradients, k != 0, are not runs the launch can move: after it (which
-    zeroes their ranges) they are cut along k into their segments with torch ops
-    (``dim_chunks.full_to_chunks``, the cast then the power-of-two ``scale``). With a no-sync
-    accumulation buffer, these gradients are added into it first and it is the source."""
+def gradient_sources(group: FlatParam, grads: list) -> list:
+    """The gradients a reduction packs: ``grads``, or, with a no-sync accumulation buffer, that
+    buffer's per-parameter ranges after ``grads`` were added into it (the buffer is then released
+    from the group)."""
     accum = group.unsharded_accum
-    if accum is not None:
-        sources = group.unsharded_views(accum)
-        for view, g in zip(sources, grads):
-            if g is not None:
-                view.add_(g.reshape(-1))
-        group.unsharded_accum = None
-        group.accum_had_grad = [False] * len(group.accum_had_grad)
-        grads = sources
+    if accum is None:
+        return grads
+    sources = group.unsharded_views(accum)
+    for view, g in zip(sources, grads):
+        if g is not None:
+            view.add_(g.reshape(-1))
+    group.unsharded_accum = None
+    group.accum_had_grad = [False] * len(group.accum_had_grad)
+    return sources
+
+
+def pack_sources(group: FlatParam, grads: list, local: list[bool], rlayout: ReduceLayout,
+                 device: torch.device) -> list:
+    """What :func:`pack` flattens, one entry per ``rlayout.pack_offsets``: the chunks of each
+    reduced gradient of ``grads`` (:func:`gradient_sources`; as 1-D tensors, None where the
+    parameter has no gradient), then the flags ``local`` once per rank segment."""
     # A whole contiguous gradient goes as it is (flatten reads any contiguous tensor as its
     # elements in order); a chunk of one is a slice of it flattened.
     tensors = [None if (g := grads[i]) is None else g if whole and g.is_contiguous() else g.reshape(-1)[o : o + n]
                for (i, o, _, n), whole in zip(rlayout.entries, rlayout.whole)]
     flags = _flags(group, tuple(map(bool, local)) if rlayout.dense else tuple(bool(local[i]) for i in rlayout.keep),
                    device)
-    tensors += [flags] * len(rlayout.flag_offsets)
+    return tensors + [flags] * len(rlayout.flag_offsets)
+
+
+def pack(group: FlatParam, grads: list, local: list[bool], reduce_dtype: torch.dtype, scale: float,
+         rlayout: ReduceLayout, device: torch.device) -> torch.Tensor:
+    """The reduce-scatter input (W segments of ``rlayout.segment`` elements, ``reduce_dtype``):
+    chunk r of each reduced gradient, scaled, at rank r's segment's shard offsets, then the
+    flags ``local`` of the reduced parameters in every segment; one ``flatten`` launch
+    (:func:`pack_sources` of :func:`gradient_sources`). The chunks of ``Shard(k)`` gradients,
+    k != 0, are not runs the launch can move: after it (which zeroes their ranges) they are cut
+    along k into their segments with torch ops (``dim_chunks.full_to_chunks``, the cast then the
+    power-of-two ``scale``)."""
+    grads = gradient_sources(group, grads)
+    tensors = pack_sources(group, grads, local, rlayout, device)
     packed = torch.empty(rlayout.layout.world_size * rlayout.segment, dtype=reduce_dtype, device=device)
     flatten(tensors, rlayout.pack_offsets, packed, scale=scale, numels=rlayout.pack_numels)
     for i, sub in rlayout.strided:

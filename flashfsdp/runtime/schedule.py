@@ -46,6 +46,21 @@ class ExecutionOrder:
     post_forward: list = field(default_factory=list)
     previous_post_forward: list | None = None
     backward_starts: dict = field(default_factory=dict)
+    # where each key's forwards ended in ``post_forward`` (and their counts in the previous step's):
+    # indexes built as the lists grow, so that lookups per unit do not walk the whole step
+    _index: dict = field(default_factory=dict, repr=False, compare=False)
+    _indexed: int = field(default=0, repr=False, compare=False)
+    _previous_counts: dict | None = field(default=None, repr=False, compare=False)
+
+    def _positions(self, key: Key) -> list[int]:
+        """The positions of ``key`` in ``post_forward``."""
+        post = self.post_forward
+        if self._indexed > len(post):  # the list was replaced or cut: index it again
+            self._index, self._indexed = {}, 0
+        for pos in range(self._indexed, len(post)):
+            self._index.setdefault(post[pos], []).append(pos)
+        self._indexed = len(post)
+        return self._index.get(key, [])
 
     def start_step(self) -> None:
         """Close the step being recorded (it becomes ``previous``) and start a new one."""
@@ -53,8 +68,10 @@ class ExecutionOrder:
             self.previous = self.current
         if self.post_forward:
             self.previous_post_forward = self.post_forward
+            self._previous_counts = None
         self.current = []
         self.post_forward = []
+        self._index, self._indexed = {}, 0
         self.backward_starts = {}
         self.diverged = False
 
@@ -85,6 +102,30 @@ class ExecutionOrder:
             return None
         return prev[pos + 1]
 
+    def forward_after(self, key: Key) -> list:
+        """The units expected to start their forward after ``key``'s, in order: the rest of the
+        last complete step's order after ``key``, where ``key`` is the unit that just started
+        or the one expected next, while this step has followed that order; else none."""
+        prev = self.previous
+        if prev is None or self.diverged:
+            return []
+        pos = len(self.current)
+        if pos and self.current[-1] == key:
+            return prev[pos:]
+        if pos < len(prev) and prev[pos] == key:
+            return prev[pos + 1:]
+        return []
+
+    def backward_after(self, key: Key) -> list:
+        """The units expected to start their backward after ``key``'s, in order: those whose
+        forward ended before the forward of ``key`` that its current (or, not started yet, next)
+        backward undoes, latest first (see :meth:`previous_in_forward`)."""
+        positions = self._positions(key)
+        which = len(positions) - max(1, self.backward_starts.get(key, 1))
+        if which < 0:
+            return []
+        return self.post_forward[positions[which] - 1 :: -1] if positions[which] > 0 else []
+
     def ends_forward_before_root(self, key: Key) -> bool:
         """Whether the forward of ``key`` that just ended is the last non-root forward of the step:
         in the last complete step ``key`` ended its forward just before the root did (the root's
@@ -93,13 +134,18 @@ class ExecutionOrder:
         prev = self.previous_post_forward
         if prev is None or len(prev) < 2 or self.diverged or prev[-2] != key:
             return False
-        return self.post_forward.count(key) == prev.count(key)
+        if self._previous_counts is None:
+            counts: dict = {}
+            for k in prev:
+                counts[k] = counts.get(k, 0) + 1
+            self._previous_counts = counts
+        return len(self._positions(key)) == self._previous_counts.get(key, 0)
 
     def previous_in_forward(self, key: Key) -> Key | None:
         """The unit whose forward ended just before the forward of ``key`` that the current backward
         undoes: its last forward for its first backward (or when no backward was recorded), the
         one before for its second, and so on. None if there is no such forward or predecessor."""
-        positions = [pos for pos, k in enumerate(self.post_forward) if k == key]
+        positions = self._positions(key)
         which = len(positions) - max(1, self.backward_starts.get(key, 1))
         if which < 0:
             return None

@@ -62,6 +62,7 @@ class AllGatherResult:
     quantized: "list[QuantizedAllGather] | None" = None  # int8 all-gathers to dequantise at wait()
     groups: "list[FlatParam] | None" = None  # the groups to copy out at wait()
     packed: "PackedAllGather | None" = None  # a unit with all-gather extensions: its byte-packed all-gather
+    bucket: object = None  # several units' all-gather (bucket.py): ``finish(works, streams, event) -> event``
 
     def wait(self) -> None:
         """Make the current stream wait on the all-gathers (GPU) or block until done (CPU), then
@@ -74,12 +75,15 @@ class AllGatherResult:
             if self.packed is not None:
                 self.event = finish_packed(self.packed, self.works, self.streams, self.event)
                 self.packed, self.works, self.groups = None, [], None
+            if self.bucket is not None:
+                self.event = self.bucket.finish(self.works, self.streams, self.event)
+                self.bucket, self.works = None, []
             if self.groups and any(not g.layout.zero_copy for g in self.groups):
                 self.event = finish_copy_out(self.groups, self.works, self.streams, self.event)
                 self.works = []
             for work in self.works:
                 work.wait()
-        self.works, self.groups = [], None
+        self.works, self.groups, self.issued = [], None, None
         if self.streams is not None:
             self.streams.wait(self.event)
             self.streams = None
@@ -351,6 +355,12 @@ class ShardedUnit:
         self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, issued, packed=packed)
         self.state = ShardState.UNSHARDING
         return self._all_gather
+
+    def join_all_gather(self, result: AllGatherResult) -> None:
+        """Unshard through ``result``, an all-gather of several units that this unit's parameters
+        are part of (``bucket.py``); the unit must be sharded."""
+        self._all_gather = result
+        self.state = ShardState.UNSHARDING
 
     def wait_unshard(self) -> None:
         """Make the current stream wait for the unshard in flight (issuing it if none is)."""

@@ -20,6 +20,9 @@ compute divided by tp, FSDP over the W / tp data-parallel ranks of the TP-local 
 plan's activation collectives on the compute path over ``tp_link``, e.g.
 ``sim.simulate(sim.llama_tp_model("70b", 64, 8), 64, "ib400", tp_link="nvlink")``;
 ``python -m flashfsdp.sim --preset 70b --world-size 64 --tp 8`` prints such a prediction.
+``bucket_bytes`` lets small units that run back to back share one all-gather and one
+reduce-scatter, as the runtime's buckets do (its default, ``runtime.step.DEFAULT_BUCKET_BYTES``;
+the simulator's default 0 predicts unit by unit).
 
 Modules: :mod:`~flashfsdp.sim.engine` (the event engine: compute and side streams on one clock),
 :mod:`~flashfsdp.sim.replay` (the runtime's step replayed on it), :mod:`~flashfsdp.sim.simulate`

@@ -81,22 +81,14 @@ def compare_all_gather(models: Sequence[Model], links: Sequence["Link | str"], w
                 int8 = simulate(quantized, world_size, link, **simulate_kwargs)
                 rows.append({
                     "model": model.name, "link": link.name, "world_size": world_size,
-                    "ag_GB": _all_gathered(model, plain.all_gathers, world_size) / 1e9,
-                    "ag_int8_GB": _all_gathered(quantized, int8.all_gathers, world_size) / 1e9,
+                    "ag_GB": plain.collective_bytes["all_gather"] / 1e9,
+                    "ag_int8_GB": int8.collective_bytes["all_gather"] / 1e9,
                     "step_ms": plain.step_s * 1e3, "step_int8_ms": int8.step_s * 1e3,
                     "exposed_ms": plain.exposed_s * 1e3, "exposed_int8_ms": int8.exposed_s * 1e3,
                     "speedup": plain.step_s / int8.step_s,
                     "efficiency": plain.efficiency, "efficiency_int8": int8.efficiency,
                 })
     return rows
-
-
-def _all_gathered(model: Model, all_gathers: int, world_size: int) -> float:
-    """Bytes all-gathered per step: the root once, and each block's ``all_gathers - 1`` spread
-    evenly (blocks are gathered for forward and again for backward when resharded)."""
-    blocks = (all_gathers - 1) / len(model.blocks) if model.blocks else 0
-    return model.root.all_gather_bytes_total(world_size) + blocks * sum(
-        b.all_gather_bytes_total(world_size) for b in model.blocks)
 
 
 _COLUMNS = (("model", "model", "{}"), ("link", "link", "{}"), ("W", "world_size", "{}"),

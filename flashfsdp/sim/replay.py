@@ -37,10 +37,16 @@ Per step, the protocol's decisions (``runtime/step.py``) at the points ``FSDPSta
    previous reduce-scatter]), then finishes the reductions issued before it
    (on a CPU host, ``host_blocking=True``, that blocks the thread on them; on a GPU it only orders
    the reduce-scatter stream), then reshards.
-6. the rest of the root's backward; the final callback runs the post-backward of every unit still
-   in ``TrainingState.PRE_BACKWARD`` (the root: its reduce-scatter), reshards any unit prefetched
-   but unused, and waits for every reduce-scatter.
+6. the rest of the root's backward, then its post-backward (its gradients, the embedding's, are
+   ready last); the final callback issues the open bucket's reduction, runs the post-backward of
+   every unit still in ``TrainingState.PRE_BACKWARD``, reshards any unit prefetched but unused,
+   and waits for every reduce-scatter.
 7. the optimizer step (``Model.optimizer_s``).
+
+With ``ReplayOptions.bucket_bytes`` > 0 the protocol lets units that run back to back share one
+all-gather and one reduce-scatter wherever it would issue a unit's (``runtime/step.py``, [Note:
+buckets]); the replay runs them as ``runtime/bucket.py`` does: see [Note: buckets in the replay]
+in :mod:`flashfsdp.sim.collectives`.
 
 Tensor parallelism (``ReplayOptions.tp_link`` and the model's ``tp``: see
 :mod:`flashfsdp.sim.tensor_parallel`): W is then the data-parallel size W / tp, and each unit's
@@ -58,11 +64,12 @@ runtime); the prediction is the last of ``steps`` steps.
 
 Memory per rank (bytes): the sharded state of every unit (``Unit.state_bytes`` per sharded element)
 plus what the step allocates: a unit's unsharded parameters from its all-gather's issue to its
-reshard; its unsharded gradients from the start of its backward until they are packed in its own
-post-backward (on the host thread, or on a GPU's compute stream as FSDP2's ``foreach_reduce``); the
-reduce-scatter's buffers (packed input and reduced shard) from issue until the runtime finishes the
-reduction (on a GPU the caching allocator hands the block back then and reuses it in stream order).
-Activations are not modelled.
+reshard (a bucket's gathered buffer until its copy-out); its unsharded gradients from the
+start of its backward until they are packed in its own post-backward or its bucket's (on the host
+thread, or on a GPU's compute stream as FSDP2's ``foreach_reduce``); the reduce-scatter's buffers
+(packed input and reduced shard) from issue until the runtime finishes the reduction (on a GPU the
+caching allocator hands the block back then and reuses it in stream order). Activations are not
+modelled.
 
 [Note: waiting on the previous reduce-scatter]
 On a GPU, each post-backward makes the compute stream wait on the event recorded after the
@@ -81,14 +88,13 @@ from typing import Mapping, Sequence
 from flashfsdp.runtime.intervals import union_length
 from flashfsdp.runtime.schedule import PrefetchPolicy
 from flashfsdp.runtime.states import ShardState, TrainingState
-from flashfsdp.runtime.step import ReshardAfterForward, StepProtocol, UnitSettings
+from flashfsdp.runtime.step import ReshardAfterForward, StepProtocol, UnitSettings, check_bucket_bytes
 
+from .collectives import COLLECTIVES, GatherBucket, ReplayCollectives
 from .contention import Contention
 from .engine import CommEngine, CommOp, Span
 from .link import Link
 from .model import Model, TPOp, Unit
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,10 @@ class ReplayOptions:
     contention: Contention | None = None
     elide_backward_all_gather: bool = True  # skip units with ``backward_reads_params=False``
     tp_link: Link | None = None  # the link of the tensor-parallel collectives (a model with ``tp`` > 1)
+    bucket_bytes: int = 0  # the protocol's bucket size in bytes ([Note: buckets]); 0: no buckets
+
+    def __post_init__(self) -> None:
+        check_bucket_bytes(self.bucket_bytes)
 
 
 @dataclass
@@ -114,9 +124,10 @@ class UnitState:
     unit: Unit
     shard: ShardState = ShardState.SHARDED
     training: TrainingState = TrainingState.IDLE
-    op: CommOp | None = None  # the all-gather in flight (``shard`` is UNSHARDING)
+    op: CommOp | None = None  # the all-gather in flight (``shard`` is UNSHARDING; None: nothing to wait for)
     unsharded_mem: int = 0  # memory id of the unsharded parameters
     grads_mem: int = 0  # memory id of the unsharded gradients (from pre-backward until packed)
+    bucket: GatherBucket | None = None  # the bucket all-gather in flight the unit is part of
 
 
 class MemoryLog:
@@ -150,8 +161,9 @@ class MemoryLog:
         return peak
 
 
-class StepReplay:
-    """The runtime's per-step sequence on one rank (see [Note: the step the simulator replays]).
+class StepReplay(ReplayCollectives):
+    """The runtime's per-step sequence on one rank (see [Note: the step the simulator replays]; its
+    collectives: :class:`~flashfsdp.sim.collectives.ReplayCollectives`).
 
     Args:
         model, world_size, link: what runs where.
@@ -180,10 +192,11 @@ class StepReplay:
         setting = ReshardAfterForward(options.reshard_after_forward, False)  # FSDP2's default, the value given
         self._settings = {name: UnitSettings(setting, forward_prefetch=fwd_lists.get(name),
                                              backward_prefetch=bwd_lists.get(name)) for name in self.states}
-        self.step_protocol = StepProtocol(model.root.name, self, options.policy, log=log)
+        self.step_protocol = StepProtocol(model.root.name, self, options.policy, log=log,
+                                          bucket_bytes=options.bucket_bytes)
         self.order = self.step_protocol.order
         self.prefetched = self.step_protocol.prefetched
-        self.pending: list[tuple[CommOp, int, str]] = []  # reduce-scatters not finished: memory id, unit
+        self.pending: list[tuple[CommOp, int, list[str]]] = []  # reductions not finished: memory id, units
         self.held: CommOp | None = None  # the last reduce-scatter, whose packed input is held (GPU)
         self.t = 0.0
         self._reset_step()
@@ -192,7 +205,8 @@ class StepReplay:
     def _reset_step(self) -> None:
         self.step_start = self.t
         self.exposed = self.host_copy = self.ag_cost = self.rs_cost = self.ar_cost = 0.0
-        self.n_ag = 0
+        self.n_ag = self.n_rs = self.n_ar = 0  # collectives issued (a bucket's count once per collective)
+        self.units_gathered = 0  # unit all-gathers (a unit gathered in a bucket counts once)
         self.tp_cost = 0.0  # the TP collectives' time on the compute path
         self.bytes = dict.fromkeys(COLLECTIVES + tuple(f"tp_{k}" for k in COLLECTIVES), 0)  # per rank
         self.phase = "forward"  # "backward" from the root's pre-backward
@@ -237,57 +251,29 @@ class StepReplay:
             self.exposed += end - self.t
             self.t = end
 
-    def _issue(self, kind: str, name: str, phases: list, stream: str | None = None) -> CommOp:
-        """Issue a collective now; with peers, its collective phases wait until every rank issued it."""
-        n = len(self.issues)
-        self.issues.append(self.t)
-        ready = self.t
-        if self.peer_issues is not None and n < len(self.peer_issues):
-            ready = max(ready, self.peer_issues[n])
-        done_after = self.peer_ends[n] if self.peer_ends is not None and n < len(self.peer_ends) else -math.inf
-        stream = "comm" if self.options.shared_comm_stream else stream or kind
-        op = CommOp(stream, kind, name, self.t, phases, ready=ready, done_after=done_after)
-        self.engine.issue(op)
-        self.ops.append(op)
-        self.all_ops.append(op)
-        return op
-
-    def _collective_phases(self, kind: str, cost: float) -> list:
-        latency = min(cost, self.link.latency_s(self.W, kind))
-        return [[latency, False, True], [cost - latency, True, True]]
-
     # -------------------------------------------------------------- unshard / reshard (ShardState)
     def unshard(self, name: str) -> None:
         """Issue the unit's all-gather (copy-in first) unless it is unsharding or unsharded."""
         st = self.states[name]
         if st.shard is not ShardState.SHARDED:
             return
-        nbytes = st.unit.unsharded_bytes(self.W)
-        copy_s = nbytes / self.W / self.copy_bandwidth if self.copy_bandwidth else 0.0  # this rank's shard
-        phases = []
-        if copy_s and self.options.host_blocking:
-            self._compute(copy_s, "copy_in", name)
-            self.host_copy += copy_s
-        elif copy_s:
-            phases.append([copy_s, False, False])
-        st.unsharded_mem = self.mem.alloc(self.t, nbytes)
-        cost = self.link.all_gather_s(st.unit.all_gather_bytes_total(self.W), self.W)
-        st.op = self._issue("all_gather", name, phases + self._collective_phases("all_gather", cost))
-        st.shard = ShardState.UNSHARDING
-        self.ag_cost += cost
-        self.n_ag += 1
-        self.bytes["all_gather"] += st.unit.all_gather_bytes_total(self.W)
-        self.ag_bytes[self.phase] += nbytes
+        self.unshard_together([name])
 
     def wait_unshard(self, name: str) -> None:
-        """Wait for the unit's all-gather (issuing it if none is in flight)."""
+        """Wait for the unit's all-gather (issuing it if none is in flight); the first wait of a
+        bucket's units copies every unit out and frees the bucket's gathered buffer."""
         st = self.states[name]
         if st.shard is ShardState.SHARDED:
             self.unshard(name)
         if st.shard is ShardState.UNSHARDING:
-            self._wait(st.op)
+            if st.op is not None:
+                self._wait(st.op)
             st.op = None
             st.shard = ShardState.UNSHARDED
+            if st.bucket is not None and st.bucket.gathered_mem:
+                self.mem.free(self.t, st.bucket.gathered_mem)
+                st.bucket.gathered_mem = 0
+            st.bucket = None
         self.prefetched.discard(name)
 
     def reshard(self, name: str, to_secondary: bool = False) -> None:
@@ -331,52 +317,6 @@ class StepReplay:
     def prefetches_in_backward(self, name: str) -> bool:
         return not self._elides(name)
 
-    # -------------------------------------------------------------- gradients
-    def reduce_grads(self, name: str) -> None:
-        """Issue the unit's reduce-scatter, then finish the reductions issued before it."""
-        unit, grads_mem = self.states[name].unit, self.states[name].grads_mem
-        # packed on the compute stream (GPU) or the host thread (CPU): the gradients are gone
-        self.mem.free(self.t, grads_mem)
-        if not self.options.host_blocking and self.held is not None:
-            # hold_until_passed: the compute stream waits for the previous unit's reduce-scatter to
-            # end (it has read that unit's packed input), see [Note: waiting on the previous reduce-scatter]
-            self._wait(self.held)
-        nbytes = unit.reduce_bytes_total(self.W)
-        cost = self.link.reduce_scatter_s(nbytes, self.W)
-        op = self._issue("reduce_scatter", name, self._collective_phases("reduce_scatter", cost))
-        self.rs_cost += cost
-        self.bytes["reduce_scatter"] += nbytes
-        if not self.options.host_blocking:
-            self.held = op
-        if self.replicas > 1 and not self.options.host_blocking:
-            self.all_reduce(name)  # enqueued behind the reduce-scatter
-        buffers = self.mem.alloc(self.t, nbytes + nbytes // self.W)  # packed input + reduced shard
-        self.finish_pending()
-        self.pending.append((op, buffers, name))
-
-    def all_reduce(self, name: str) -> CommOp:
-        """HSDP: issue the all-reduce of the unit's reduced shard across the replicas, on the
-        reduce-scatter stream (on the replicate link: it shares no bandwidth with the shard link)."""
-        nbytes = self.states[name].unit.reduce_bytes_total(self.W) // self.W
-        cost = self.replicate_link.all_reduce_s(nbytes, self.replicas)
-        latency = min(cost, self.replicate_link.latency_s(self.replicas, "all_reduce"))
-        self.ar_cost += cost
-        self.bytes["all_reduce"] += nbytes
-        return self._issue("all_reduce", name, [[latency, False, True], [cost - latency, False, True]],
-                           stream="reduce_scatter")
-
-    def finish_pending(self) -> None:
-        """Finish the reductions issued so far: on a CPU host the thread blocks on each (HSDP: then
-        issues its all-reduce and blocks on it); on a GPU only the reduce-scatter stream is ordered,
-        and the buffers go back to the caching allocator (reused in stream order by the next pack)."""
-        pending, self.pending = self.pending, []
-        for op, buffers, name in pending:
-            if self.options.host_blocking:
-                self._wait(op)
-                if self.replicas > 1:
-                    self._wait(self.all_reduce(name))
-            self.mem.free(self.t, buffers)
-
     # -------------------------------------------------------------- the runtime's hooks (TrainingState)
     def pre_forward(self, name: str) -> None:
         """A unit's forward starts (the protocol: record it, wait for its parameters, prefetch)."""
@@ -414,6 +354,7 @@ class StepReplay:
         unfinished = [name for name, st in self.states.items() if st.training is TrainingState.PRE_BACKWARD]
         for name in unfinished:
             self.states[name].training = TrainingState.POST_BACKWARD
+        self.step_protocol.flush_reductions()  # the open bucket first, as the runtime's final callback
         self.step_protocol.end_backward(unfinished, unfinished, lambda name: False)
         for op in self.ops:  # wait_for_reduce_scatter: the compute stream waits for the whole stream
             if op.kind in ("reduce_scatter", "all_reduce"):
@@ -445,6 +386,7 @@ class StepReplay:
             self._run(block, "backward", 0, block.backward_s)
             self.post_backward(block.name)
         self._run(root, "backward", 1, root.backward_s * model.root_backward_after)
+        self.post_backward(root.name)  # the root's gradients are ready last
         self.final_callback()
         self._compute(model.optimizer_s, "optimizer", "")
         self.engine.drain()

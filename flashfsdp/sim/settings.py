@@ -1,7 +1,8 @@
 """Schedule settings to compare, and sweeps of the simulator over models, links and world sizes.
 
 A :class:`Setting` is one configuration of the runtime's schedule (its :class:`PrefetchPolicy`,
-``reshard_after_forward`` and explicit prefetch lists :func:`prefetch_ahead` units deep);
+``reshard_after_forward``, explicit prefetch lists :func:`prefetch_ahead` units deep and the
+bucket size of ``runtime/step.py``'s [Note: buckets]);
 :data:`SETTINGS` are the ones the benchmarks compare. :func:`compare_settings` predicts one model
 under every setting; :func:`sweep` does so for every model, link and world size, as table rows.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from flashfsdp.runtime.schedule import PrefetchPolicy
+from flashfsdp.runtime.step import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 
 from .link import Link, get_link
 from .model import Model
@@ -47,6 +49,12 @@ class Setting:
         reshard_after_forward: free non-root units after forward.
         depth: explicit prefetch lists this many units deep (:func:`prefetch_ahead`); 1: the
             implicit policy alone.
+        bucket_bytes: the bucket size in bytes (``simulate``'s ``bucket_bytes``; 0: no buckets);
+            None: not set by the setting (``simulate``'s default, or a ``bucket_bytes`` given to
+            :func:`compare_settings` / :func:`sweep`).
+
+    Raises:
+        ValueError / TypeError: a ``bucket_bytes`` that is negative / not an int.
     """
 
     label: str
@@ -55,6 +63,11 @@ class Setting:
     max_inflight: int = 2
     reshard_after_forward: bool = True
     depth: int = 1
+    bucket_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes is not None:
+            check_bucket_bytes(self.bucket_bytes)
 
     def policy(self) -> PrefetchPolicy:
         """The runtime's :class:`PrefetchPolicy` of this setting (explicit lists aside)."""
@@ -69,6 +82,8 @@ class Setting:
             kwargs["forward_prefetch"] = fwd
         if bwd:
             kwargs["backward_prefetch"] = bwd
+        if self.bucket_bytes is not None:
+            kwargs["bucket_bytes"] = self.bucket_bytes
         return kwargs
 
 
@@ -79,13 +94,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("fwd+bwd, 2 deep, max_inflight 1", depth=2, max_inflight=1),
     Setting("fwd+bwd, 2 deep, max_inflight 2", depth=2, max_inflight=2),
     Setting("fwd+bwd, reshard_after_forward=False", reshard_after_forward=False),
+    Setting("fwd+bwd, 8 MiB buckets (the runtime's default)", bucket_bytes=DEFAULT_BUCKET_BYTES),
 )
 
 
 def compare_settings(model: Model, world_size: int, link: "Link | str",
                      settings: Sequence[Setting] = SETTINGS, **kwargs) -> list[Prediction]:
-    """:func:`simulate` under every setting (other keyword arguments passed through)."""
-    return [simulate(model, world_size, link, **s.simulate_kwargs(model), **kwargs) for s in settings]
+    """:func:`simulate` under every setting (other keyword arguments passed through; a
+    ``bucket_bytes`` among them applies to the settings that set none)."""
+    predictions = []
+    for setting in settings:
+        own = setting.simulate_kwargs(model)
+        rest = {k: v for k, v in kwargs.items() if not (k == "bucket_bytes" and k in own)}
+        predictions.append(simulate(model, world_size, link, **own, **rest))
+    return predictions
 
 
 def sweep(models: Sequence[Model], links: Sequence["Link | str"], world_sizes: Sequence[int],

@@ -38,7 +38,9 @@ class Prediction:
         host_copy_s: copy-in run on the compute thread (``host_blocking`` with a copy bandwidth).
         all_gather_s: sum of the step's all-gather costs (ring model, full bandwidth).
         reduce_scatter_s: sum of the step's reduce-scatter costs.
-        all_gathers: all-gathers issued in the step.
+        all_gathers: all-gather collectives issued in the step (a bucket's all-gather counts once
+            per collective: one per ``param_bytes`` among its units, none on one rank; see
+            ``units_gathered``).
         comm_busy_s: busy time of the step's communication as a trace records it: per kind
             (all-gather, reduce-scatter), the union of the collectives' [issue, completion]
             intervals (queueing behind earlier collectives and host contention included), summed
@@ -57,6 +59,12 @@ class Prediction:
         collective_bytes: the step's bytes per rank by collective: "all_gather" (outputs),
             "reduce_scatter" (inputs), "all_reduce" (HSDP: the reduced shards) over the data-parallel
             ranks, and the same kinds prefixed "tp_" over the TP ranks.
+        reduce_scatters: reduce-scatter collectives issued in the step (a bucket's counts once).
+        all_reduces: HSDP: all-reduces across the replicas in the step (one per unit, in a
+            bucket too, as the runtime issues them); 0 without.
+        units_gathered: unit all-gathers in the step (a unit gathered in a bucket counts once;
+            equal to ``all_gathers`` without buckets).
+        bucket_bytes: the bucket size the step was replayed with (0: no buckets).
     """
 
     world_size: int
@@ -80,6 +88,16 @@ class Prediction:
     tp: int = 1
     tp_comm_s: float = 0.0
     collective_bytes: dict = field(default_factory=dict)
+    reduce_scatters: int = 0
+    all_reduces: int = 0
+    units_gathered: int = 0
+    bucket_bytes: int = 0
+
+    @property
+    def collectives(self) -> int:
+        """The FSDP collectives of the step: all-gathers, reduce-scatters and HSDP all-reduces (the
+        TP collectives, on the compute path, not counted)."""
+        return self.all_gathers + self.reduce_scatters + self.all_reduces
 
     @property
     def comm_s(self) -> float:
@@ -105,7 +123,7 @@ def simulate(model: Model, world_size: int, link: "Link | str | Hierarchy", *, p
              share_link_bandwidth: bool = False, host_blocking: bool = False,
              copy_bandwidth: float | None = None, contention: Contention | None = None, steps: int = 2,
              record_timeline: bool = False, label: str = "", elide_backward_all_gather: bool = True,
-             tp_link: "Link | str" = "nvlink") -> Prediction:
+             tp_link: "Link | str" = "nvlink", bucket_bytes: int = 0) -> Prediction:
     """Predict one training step of ``model`` on ``world_size`` ranks (the step replayed: see
     :mod:`flashfsdp.sim.replay`).
 
@@ -138,6 +156,9 @@ def simulate(model: Model, world_size: int, link: "Link | str | Hierarchy", *, p
             parameter (``Unit.backward_reads_params``), as the runtime does by default.
         tp_link: the link of the tensor-parallel collectives (a model with ``tp`` > 1): a Link or
             a name of ``LINKS`` (default "nvlink": a TP group within a node).
+        bucket_bytes: the most bytes units that run back to back move in one shared all-gather or
+            reduce-scatter ([Note: buckets in the replay]); 0 here: none. The runtime's default is
+            ``runtime.step.DEFAULT_BUCKET_BYTES``.
 
     Returns:
         the last step's :class:`Prediction`.
@@ -145,16 +166,16 @@ def simulate(model: Model, world_size: int, link: "Link | str | Hierarchy", *, p
     Raises:
         ValueError: W < 1, an unknown link name, a Hierarchy whose shard size does not divide W,
             a model's ``tp`` that does not divide W (or with a Hierarchy),
-            steps < 1, a bad copy bandwidth, a ``contention``
-            that is not a Contention, or an explicit prefetch list naming an unknown unit (the
-            message names the argument).
+            steps < 1, a bad copy bandwidth, a ``contention`` that is not a Contention, an explicit
+            prefetch list naming an unknown unit, or a negative ``bucket_bytes`` (the message names
+            the argument). TypeError: ``bucket_bytes`` that is not an int.
     """
     link = _check_simulate_args(model, world_size, link, steps, copy_bandwidth, contention, forward_prefetch,
                                 backward_prefetch)
     options = ReplayOptions(policy if policy is not None else PrefetchPolicy(), reshard_after_forward,
                             forward_prefetch, backward_prefetch, shared_comm_stream, share_link_bandwidth,
                             host_blocking, contention, bool(elide_backward_all_gather),
-                            get_link(tp_link) if model.tp > 1 else None)
+                            get_link(tp_link) if model.tp > 1 else None, bucket_bytes)
     return _prediction(_replay(model, world_size, link, options, steps, copy_bandwidth), label, record_timeline)
 
 
@@ -218,7 +239,8 @@ def _prediction(runtime: StepReplay, label: str, record_timeline: bool) -> Predi
         timeline=runtime.timeline() if record_timeline else [], all_reduce_s=runtime.ar_cost,
         replicas=runtime.replicas, all_gather_bytes_backward=runtime.ag_bytes["backward"],
         all_gather_bytes_elided=runtime.ag_bytes["elided"], tp=model.tp, tp_comm_s=runtime.tp_cost,
-        collective_bytes=dict(runtime.bytes),
+        collective_bytes=dict(runtime.bytes), reduce_scatters=runtime.n_rs, all_reduces=runtime.n_ar,
+        units_gathered=runtime.units_gathered, bucket_bytes=runtime.options.bucket_bytes,
     )
 
 
@@ -234,7 +256,7 @@ def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str |
                    share_link_bandwidth: bool = False, host_blocking: bool = False,
                    copy_bandwidth: "float | None | Sequence[float | None]" = None,
                    contention: Contention | None = None, steps: int = 2, record_timeline: bool = False,
-                   label: str = "", tp_link: "Link | str" = "nvlink") -> list[Prediction]:
+                   label: str = "", tp_link: "Link | str" = "nvlink", bucket_bytes: int = 0) -> list[Prediction]:
     """Predict one step on each of several ranks, each with its own compute, coupled by the collectives.
 
     :func:`simulate` follows one rank and lets a collective start as soon as that rank issued it. A
@@ -253,7 +275,8 @@ def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str |
     Args:
         models: one :class:`Model` per rank (same unit names, sizes and bytes), compute per rank.
         copy_bandwidth: one value for every rank, or one per rank.
-        world_size, link, policy, ...: as :func:`simulate`.
+        world_size, link, policy, bucket_bytes, ...: as :func:`simulate` (every rank takes the same
+            bucket decisions: they depend on the units and the order only).
 
     Returns:
         one :class:`Prediction` per rank, in the order of ``models``.
@@ -270,7 +293,8 @@ def simulate_ranks(models: Sequence[Model], world_size: int, link: "Link | str |
         _check_simulate_args(models[0], world_size, link, steps, c, contention, None, None)
     options = ReplayOptions(policy if policy is not None else PrefetchPolicy(), reshard_after_forward,
                             forward_prefetch, backward_prefetch, shared_comm_stream, share_link_bandwidth,
-                            host_blocking, contention, True, get_link(tp_link) if models[0].tp > 1 else None)
+                            host_blocking, contention, True, get_link(tp_link) if models[0].tp > 1 else None,
+                            bucket_bytes)
     runs = _couple(lambda r, peers: _replay(models[r], world_size, link, options, steps, copies[r], peers),
                    len(models))
     return [_prediction(rt, label, record_timeline) for rt in runs]

@@ -40,7 +40,7 @@ def _raised(run, case: str, kind: str, *fragments: str) -> list[str]:
 def test_save_while_the_other_rank_runs_a_forward(run):
     _raised(run, "save_vs_forward", "CollectiveFailure",
             "rank 0 waits in the control exchange of checkpoint.save (step 1,",
-            "rank 1 waits in the all-gather of '0' (forward, step 2,",
+            "rank 1 waits in the all-gather of '0 .. 4 (3 units)' (forward, step 2,",
             "the ranks diverged at seq")
 
 
@@ -52,7 +52,7 @@ def test_save_against_the_first_forward_names_both_operations(run):
 def test_uneven_batch_counts_before_save(run):
     _raised(run, "uneven_batches_then_save", "CollectiveFailure",
             "rank 0 waits in the control exchange of checkpoint.save (step 2,",
-            "rank 1 waits in the all-gather of '0' (forward, step 3,")
+            "rank 1 waits in the all-gather of '0 .. 4 (3 units)' (forward, step 3,")
 
 
 def test_a_skipped_backward(run):
@@ -100,4 +100,4 @@ def test_the_dumps_give_the_same_diagnosis(run):
     text = debug.diagnose(cases.trace_dir(run["store_dir"], "save_vs_forward"))
     assert "2 dump(s) of a job of 2 rank(s)" in text
     assert "rank 0 waits in the control exchange of checkpoint.save" in text
-    assert "rank 1 waits in the all-gather of '0' (forward, step 2," in text
+    assert "rank 1 waits in the all-gather of '0 .. 4 (3 units)' (forward, step 2," in text

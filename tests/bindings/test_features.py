@@ -42,6 +42,7 @@ def _lora(rank, world_size):
     comm = CountingCommunicator(ProcessGroupCommunicator())
     for m in (model[0], model[2], model):
         flashfsdp.fully_shard(m, communicator=comm)
+    model.set_bucket_bytes(0)  # one reduce-scatter per unit, counted (buckets: tests/bindings/test_buckets.py)
     frozen_before = gather_full_params(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
@@ -211,8 +212,8 @@ def _after_every_unshard(callback):
     """
     original = FlatParam.alloc_unsharded
 
-    def alloc_and_sample(self):
-        original(self)
+    def alloc_and_sample(self, *args, **kwargs):
+        original(self, *args, **kwargs)
         callback()
 
     FlatParam.alloc_unsharded = alloc_and_sample
@@ -235,6 +236,7 @@ def _memory(rank, world_size):
             flashfsdp.fully_shard(b)
         flashfsdp.fully_shard(model)
         model.set_max_inflight_all_gathers(max_inflight)
+        model.set_bucket_bytes(0)  # the unit-by-unit schedule (buckets: tests/bindings/test_buckets.py)
         states = [m._flashfsdp_state for m in model.modules() if hasattr(m, "_flashfsdp_state")]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         peak = {"held": 0, "grads_in_forward": 0}
@@ -308,6 +310,7 @@ def test_frozen_units_reshard_during_backward():
     for b in model.blocks:
         flashfsdp.fully_shard(b)
     flashfsdp.fully_shard(model)
+    model.set_bucket_bytes(0)  # the unit-by-unit schedule (buckets: tests/bindings/test_buckets.py)
     blocks = [b._flashfsdp_state for b in model.blocks]
     in_backward_counts = []
 
@@ -463,6 +466,7 @@ def _prefetch_counts(rank, world_size, max_inflight):
         flashfsdp.fully_shard(b)
     flashfsdp.fully_shard(model)
     model.set_max_inflight_all_gathers(max_inflight)
+    model.set_bucket_bytes(0)  # units, not buckets (tests/bindings/test_buckets.py)
     # Unit 0 prefetches units 1..3 explicitly; the root's limit decides how many it gets.
     model.blocks[0].set_modules_to_forward_prefetch(list(model.blocks[1:4]))
     seen = []

@@ -144,12 +144,12 @@ def two_rank_mlp_runs():
 
 def test_gradient_accumulation_without_sync_equals_big_batch(two_rank_mlp_runs):
     ref = train_reference("mlp", 2, grad_accum=4)
-    n_units = 5  # 3 blocks, the one-bias unit, the root
     for r in two_rank_mlp_runs:
         _assert_trained_like(r["accumulate"], ref)
-        # No gradient communication in the 3 micro-batches without sync; one reduce-scatter per
-        # unit in the synced one (5 steps of 4 micro-batches).
-        assert r["accumulate"]["reduce_scatters"] == [0, 0, 0, n_units] * 5
+        # No gradient communication in the 3 micro-batches without sync; in the synced one the
+        # gradients accumulated in the 5 units (3 blocks, the one-bias unit, the root) share one
+        # reduce-scatter: the small MLP fits in one bucket (5 steps of 4 micro-batches).
+        assert r["accumulate"]["reduce_scatters"] == [0, 0, 0, 1] * 5
 
 
 def test_reshard_after_backward_false_keeps_parameters_for_the_next_micro_batch(two_rank_mlp_runs):

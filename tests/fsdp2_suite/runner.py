@@ -19,6 +19,7 @@ types, placements and shapes, and the state-dict value types cases record) with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from flashfsdp_dev.ranks import RanksFailed, spawn_ranks
+from flashfsdp.bindings.root import BUCKET_BYTES_ENV
 from tests.harness import start_method
 
 IMPLS = ("torch", "flashfsdp")
@@ -48,6 +50,9 @@ class Case:
         compare: compare the ``flashfsdp`` result with the ``torch`` one (``torch.testing.assert_close``
             on the returned tree, at ``rtol``/``atol``).
         torch_reason: why torch's own ``fully_shard`` is not run (empty if it is).
+        per_unit_collectives: the case counts collectives or orders unshards as FSDP2 issues them,
+            one unit at a time: flashfsdp runs it with buckets off (``FLASHFSDP_BUCKET_BYTES=0``;
+            units that share collectives issue fewer, see ``tests/bindings/test_buckets.py``).
     """
 
     fn: Callable
@@ -57,6 +62,7 @@ class Case:
     rtol: float
     atol: float
     torch_reason: str = ""
+    per_unit_collectives: bool = False
 
     @property
     def name(self) -> str:
@@ -72,19 +78,19 @@ class CaseSet:
         self._results: dict[int, dict[tuple[str, str], dict]] = {}
 
     def case(self, world_size: int = 2, *, compare: bool = True, rtol: float = 1e-5, atol: float = 1e-6,
-             torch_reason: str = ""):
+             torch_reason: str = "", per_unit_collectives: bool = False):
         """Register ``fn(rank, world_size, impl)`` as a case run at ``world_size`` ranks.
 
         ``torch_reason``: run only against flashfsdp, because torch's ``fully_shard`` cannot run this
         case (the reason is shown as the torch test's skip reason). The result ``fn`` returns on each
         rank (tensors, numbers, and lists/tuples/dicts of them) is compared between the two
-        implementations when ``compare`` is set.
+        implementations when ``compare`` is set. ``per_unit_collectives``: see :class:`Case`.
         """
 
         def register(fn):
             impls = ("flashfsdp",) if torch_reason else IMPLS
             self.cases[fn.__name__] = Case(fn, world_size, impls, compare and not torch_reason, rtol, atol,
-                                           torch_reason)
+                                           torch_reason, per_unit_collectives)
             return fn
 
         return register
@@ -196,9 +202,28 @@ def _run_jobs(rank: int, world_size: int, module_name: str, jobs, tmp: str) -> N
             torch.manual_seed(0)
             impl_obj = impl_named(impl)
             impl_obj.take_type_log()
-            result = cases.cases[name].fn(rank, world_size, impl_obj)
+            with _per_unit_collectives(cases.cases[name].per_unit_collectives):
+                result = cases.cases[name].fn(rank, world_size, impl_obj)
             _save({"ok": result, "types": impl_obj.take_type_log()}, path)
             dist.barrier()
         except BaseException:
             _save({"error": traceback.format_exc()}, path)
             os._exit(1)  # the other ranks may be inside a collective: do not try to resume
+
+
+@contextlib.contextmanager
+def _per_unit_collectives(enabled: bool):
+    """Inside the block, flashfsdp roots initialised without ``set_bucket_bytes`` give every unit its
+    own collectives (``FLASHFSDP_BUCKET_BYTES=0``), when ``enabled``."""
+    if not enabled:
+        yield
+        return
+    saved = os.environ.get(BUCKET_BYTES_ENV)
+    os.environ[BUCKET_BYTES_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[BUCKET_BYTES_ENV]
+        else:
+            os.environ[BUCKET_BYTES_ENV] = saved

@@ -431,7 +431,7 @@ def _communication_count(rank, world_size, impl, reshard_after_forward, mismatch
     return [counts_of(fwd), counts_of(bwd)]
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def fully_shard_communication_count(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardCommunication::test_fully_shard_communication_count
     (reshard_after_forward True / False / None; the int variant at W=4 below): all-gathers in
@@ -443,7 +443,7 @@ def fully_shard_communication_count(rank, world_size, impl):
     return out
 
 
-@cases.case(world_size=4)
+@cases.case(world_size=4, per_unit_collectives=True)
 def fully_shard_communication_count_int(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardCommunication::test_fully_shard_communication_count
     (reshard_after_forward=2 at W=4): as True (backward all-gathers within the post-forward group)."""
@@ -453,7 +453,7 @@ def fully_shard_communication_count_int(rank, world_size, impl):
     return out
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def manual_reshard_with_reshard_after_forward_false(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardCommunication::test_manual_reshard_with_reshard_after_forward_false:
     units built with reshard_after_forward=False and resharded by hand after forward all-gather
@@ -649,7 +649,7 @@ def set_reduce_scatter_max_input_buffers_validation(rank, world_size, impl):
     return {}
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def set_reshard_after_forward(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardCommunication::test_set_reshard_after_forward
     (set_reshard_after_forward True / False / not called x recurse True / False): built with the
@@ -821,7 +821,7 @@ def _backward_prefetch_unused_in_backward(impl, mismatches):
         ]), f"{tag}, second backward (loss1)", mismatches)
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def fully_shard_backward_prefetch(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_fully_shard_backward_prefetch,
     its three parts (all mismatches collected, then raised together):
@@ -868,7 +868,7 @@ def _expected_default_backward():
     ]
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def set_modules_to_forward_prefetch(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_set_modules_to_forward_prefetch
     (4 layers, checkpoint "utils", reshard_after_forward=True): ``layers.i`` prefetching
@@ -913,7 +913,7 @@ def set_modules_to_forward_prefetch(rank, world_size, impl):
     return impl.full_grads(model)
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def set_modules_to_backward_prefetch(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_set_modules_to_backward_prefetch
     (4 layers, checkpoint "utils", reshard_after_forward=True): ``layers.i`` prefetching
@@ -970,7 +970,7 @@ def set_modules_to_backward_prefetch(rank, world_size, impl):
     return impl.full_grads(model)
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def set_modules_to_backward_prefetch_inside_ac(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_set_modules_to_backward_prefetch_inside_ac
     (3 layers, checkpoint_wrapper on blocks and feed-forwards, ``fully_shard([m1, m2])`` groups,
@@ -1075,7 +1075,7 @@ def set_modules_to_backward_prefetch_inside_ac(rank, world_size, impl):
     return {}
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def fully_shard_multi_module_backward_prefetch(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_fully_shard_multi_module_backward_prefetch
     (5 layers, checkpointing, units of two blocks via ``fully_shard([m1, m2])``; 3 steps): forward
@@ -1114,7 +1114,7 @@ def fully_shard_multi_module_backward_prefetch(rank, world_size, impl):
     return losses
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def fully_shard_multi_module_unused_module(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_fully_shard_multi_module_unused_module
     (``fully_shard([unused_lin, lin])`` groups whose ``unused_lin`` never runs; 3 steps): forward
@@ -1316,7 +1316,7 @@ def unshard_without_lazy_init(rank, world_size, impl):
 
 
 # ============================================================================ TestFullyShardForceSumReduction
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def fully_shard_force_sum_reduce_scatter(rank, world_size, impl):
     """Upstream: test_fully_shard_comm.py::TestFullyShardForceSumReduction::test_fully_shard_force_sum_reduce_scatter:
     upstream reads NCCL's log for the reduce op (AVG, then SUM once

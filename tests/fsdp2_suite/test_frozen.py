@@ -171,7 +171,7 @@ def _per_group_case(freeze_after_init: bool, use_activation_checkpointing: bool)
 
 
 for _freeze_after_init, _ac in itertools.product((False, True), (False, True)):
-    cases.case(world_size=2)(_per_group_case(_freeze_after_init, _ac))
+    cases.case(world_size=2, per_unit_collectives=True)(_per_group_case(_freeze_after_init, _ac))
 
 
 def _train_mixed_requires_grad_across_groups(rank, world_size, impl, reshard_after_forward, unfreeze_params):
@@ -240,7 +240,7 @@ def _train_mixed_requires_grad_across_groups(rank, world_size, impl, reshard_aft
     return out
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def train_mixed_requires_grad_across_groups(rank, world_size, impl):
     """Upstream: test_fully_shard_frozen.py::TestFullyShardFrozen::test_train_mixed_requires_grad_across_groups
     (unfreeze_params=False, reshard_after_forward in {False, True}): 6 Linear units (each its own
@@ -251,7 +251,7 @@ def train_mixed_requires_grad_across_groups(rank, world_size, impl):
             for raf in (False, True)}
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def train_mixed_requires_grad_across_groups_unfreeze(rank, world_size, impl):
     """Upstream: test_fully_shard_frozen.py::TestFullyShardFrozen::test_train_mixed_requires_grad_across_groups
     (unfreeze_params=True, reshard_after_forward in {False, True}): the same, with the frozen units

@@ -78,7 +78,7 @@ def _requires_gradient_sync(rank, world_size, impl, reshard_after_forward, offlo
     return {"losses": torch.stack(losses), "reduce_scatters": torch.tensor(counts), "params": impl.full_params(model)}
 
 
-@cases.case()
+@cases.case(per_unit_collectives=True)
 def requires_gradient_sync(rank, world_size, impl):
     """Upstream: test_fully_shard_grad_acc.py::TestFullyShardGradientAccumulation::test_requires_gradient_sync_
     — 3 micro-batches, ``set_requires_gradient_sync(is_last)`` on the root (recurse) or with

@@ -285,7 +285,7 @@ def _optim_in_backward_values(rank, world_size, impl) -> None:
     impl.check_sharded_parity(ref_model, model)
 
 
-@cases.case(world_size=2, compare=False)
+@cases.case(world_size=2, compare=False, per_unit_collectives=True)
 def fully_shard_training_memory(rank, world_size, impl):
     """Upstream: test_fully_shard_memory.py::TestFullyShardMemory::test_fully_shard_training_memory
     (the subtests without CPU offload: reshard_after_forward True and False with a plain Adam,

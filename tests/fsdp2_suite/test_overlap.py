@@ -62,7 +62,7 @@ class LinearWithLog(nn.Module):
         return nn.functional.relu(Matmul.apply(x, self.weight, self.tag))
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def fully_shard_training_overlap(rank, world_size, impl):
     """Upstream: test_fully_shard_overlap.py::TestFullyShardOverlap::test_fully_shard_training_overlap
     (3 one-weight linears, each a unit, reshard_after_forward=True; a warm-up step, then the

@@ -1408,7 +1408,7 @@ def _gradient_accumulation_grid(rank, world_size, impl, reshard_after_forward, o
     return out
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def gradient_accumulation_rsf_true(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardGradientAccumulation::test_gradient_accumulation
     — 3 micro-batches with ``set_requires_gradient_sync(is_last)`` on every unit ("all"), the root
@@ -1419,7 +1419,7 @@ def gradient_accumulation_rsf_true(rank, world_size, impl):
     return _gradient_accumulation_grid(rank, world_size, impl, True, impl.OffloadPolicy())
 
 
-@cases.case(world_size=4)
+@cases.case(world_size=4, per_unit_collectives=True)
 def gradient_accumulation_rsf_int(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardGradientAccumulation::test_gradient_accumulation
     — the grid of ``gradient_accumulation_rsf_true`` with reshard_after_forward 2 (W = 4: the
@@ -1427,7 +1427,7 @@ def gradient_accumulation_rsf_int(rank, world_size, impl):
     return _gradient_accumulation_grid(rank, world_size, impl, 2, impl.OffloadPolicy())
 
 
-@cases.case(world_size=2)
+@cases.case(world_size=2, per_unit_collectives=True)
 def gradient_accumulation_rsf_false(rank, world_size, impl):
     """Upstream: test_fully_shard_training.py::TestFullyShardGradientAccumulation::test_gradient_accumulation
     — reshard_after_forward False, with and without ``set_reshard_after_backward(is_last)``

@@ -28,6 +28,7 @@ def _train(kind: str, rank: int, world_size: int, sleep_s: float = 0.0, path: st
     units = units_of(kind, model)
     for unit in units:
         flashfsdp.fully_shard(unit)
+    model.set_bucket_bytes(0)  # spans per unit (a bucket's collectives: tests/bindings/test_buckets.py)
     blocks = units[:-2] if kind == "mlp" else units[:-1]
     for block in blocks:  # after fully_shard's own pre-hook: inside the block's forward span
         block.register_forward_pre_hook(lambda module, args: time.sleep(sleep_s))
@@ -215,6 +216,7 @@ def test_torch_profiler_shows_every_phase_without_flashfsdp_profile():
     model = make_model("mlp")
     for unit in units_of("mlp", model):
         flashfsdp.fully_shard(unit)
+    model.set_bucket_bytes(0)  # every phase per unit
     x, y = make_batch("mlp", 0, 4)
     loss_fn("mlp", model(x), y).backward()  # records the order the prefetch follows
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tprof:

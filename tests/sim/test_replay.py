@@ -44,7 +44,7 @@ def test_units_move_through_the_runtime_states():
     during = seen["backward", "layers.1"]
     assert during["layers.1"] == (UNSHARDED, TrainingState.PRE_BACKWARD)
     assert during["layers.2"] == (SHARDED, TrainingState.POST_BACKWARD)
-    assert during["<root>"] == (UNSHARDED, TrainingState.PRE_BACKWARD)  # its post-backward is in the final callback
+    assert during["<root>"] == (UNSHARDED, TrainingState.PRE_BACKWARD)  # its post-backward comes after the blocks'
     assert during["layers.0"][0] is not SHARDED  # prefetched
     assert set(seen["optimizer", ""].values()) == {(SHARDED, TrainingState.IDLE)}
 
