@@ -11,23 +11,35 @@ whose speed drifts slows each alike):
 
 - ``flashfsdp flat AdamW``: ``flashfsdp.optim.AdamW`` (torch's fused AdamW kernel over one run per unit);
 - ``torch AdamW(foreach) on flashfsdp DTensors`` / ``torch AdamW(fused) on flashfsdp DTensors``: the
-  stock optimizer over the same DTensor parameters, one tensor per parameter;
+  stock optimizer over the same DTensor parameters, handed one plain tensor per run of consecutive
+  parameters for the step (``bindings/optimizer_local_step.py``; fused: runs split where a chunk
+  is not a whole number of CPU vectors, for FSDP2's bits);
 - ``torch AdamW(foreach) on FSDP2 DTensors``: what an FSDP2 job steps;
+- ``torch AdamW(foreach) on plain tensors (the runs)``: the same optimizer over plain tensors of
+  the sizes of flashfsdp's runs (copies, with gradients): the update's own cost, the floor of any
+  hand-over (its element-wise passes over every element are the same);
+- ``torch AdamW(single-tensor) on flashfsdp DTensors`` / ``... on FSDP2 DTensors``: ``foreach=False``
+  (torch's per-tensor loop, the CPU default): flashfsdp hands it one local tensor per parameter, so
+  that its temporaries are FSDP2's;
 - ``flashfsdp clip_grad_norm_ + flat AdamW`` / ``flashfsdp flat AdamW(max_grad_norm)``: clipping
   (max norm 1.0) and the step, as two calls (norm, a scaling pass, the step) and folded into the
   step (norm, then the fused call divides each gradient by 1/coef as it reads it).
 
 ``step_ms``: median over ``--repeats`` steps (after one warm-up), slowest rank, median over the
-rounds; ``tensors``: tensors per step and rank (runs for the flat optimizer, parameters
-otherwise). Writes ``optim_step_w<W>.csv`` / ``.md`` / ``.png`` to ``--out`` (default
-``bench-results/<device>/``; ``--record``: ``benchmarks/results/<device>/``). The target (issue of the flat step): flat AdamW ≤ 0.5× torch
-AdamW(foreach) on FSDP2 for a 48-unit model on CPU.
+rounds; ``tensors``: tensors per step and rank that the update runs over (the flat optimizer's
+runs; what a stock optimizer's step is handed — counted by a step pre-hook: runs on flashfsdp,
+one DTensor per parameter on FSDP2); ``faults_per_step``: minor page faults per step on rank 0
+(``getrusage``, warm-up included), median over the rounds. Writes ``optim_step_w<W>.csv`` / ``.md`` / ``.png`` to
+``--out`` (default ``bench-results/<device>/``; ``--record``: ``benchmarks/results/<device>/``).
+Targets for a 48-unit model on CPU: flat AdamW ≤ 0.5× torch AdamW(foreach) on FSDP2, and torch
+AdamW(foreach) on flashfsdp's parameters ≤ 0.3× the same optimizer on FSDP2's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import resource
 import statistics
 
 import torch
@@ -46,12 +58,15 @@ SYSTEMS = {  # name: (how the model is sharded, how the optimizer is built)
     "torch AdamW(foreach) on flashfsdp DTensors": ("flashfsdp", "foreach"),
     "torch AdamW(fused) on flashfsdp DTensors": ("flashfsdp", "fused"),
     "torch AdamW(foreach) on FSDP2 DTensors": ("fsdp2", "foreach"),
+    "torch AdamW(foreach) on plain tensors (the runs)": ("flashfsdp", "plain"),
+    "torch AdamW(single-tensor) on flashfsdp DTensors": ("flashfsdp", "single"),
+    "torch AdamW(single-tensor) on FSDP2 DTensors": ("fsdp2", "single"),
     "flashfsdp clip_grad_norm_ + flat AdamW": ("flashfsdp", "flat+clip"),
     "flashfsdp flat AdamW(max_grad_norm)": ("flashfsdp", "flat-clip"),
 }
 MAX_NORM = 1.0
 BASELINE = "torch AdamW(foreach) on FSDP2 DTensors"
-COLUMNS = ["system", "world_size", "units", "params_M", "tensors", "step_ms", "vs_fsdp2_foreach"]
+COLUMNS = ["system", "world_size", "units", "params_M", "tensors", "step_ms", "vs_fsdp2_foreach", "faults_per_step"]
 
 
 def _optimizer(kind: str, params) -> torch.optim.Optimizer:
@@ -61,7 +76,26 @@ def _optimizer(kind: str, params) -> torch.optim.Optimizer:
         return flashfsdp.optim.AdamW(params, lr=1e-6, weight_decay=0.01)
     if kind == "flat-clip":
         return flashfsdp.optim.AdamW(params, lr=1e-6, weight_decay=0.01, max_grad_norm=MAX_NORM)
-    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01, foreach=kind == "foreach", fused=kind == "fused")
+    return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01, foreach=kind in ("foreach", "plain"),
+                             fused=kind == "fused")  # "single": foreach=False, fused=False
+
+
+def _params(kind: str, model: nn.Module) -> list:
+    """What the optimizer of ``kind`` is built over: the model's parameters, or for "plain" a plain
+    copy of each run of them (``runtime/flat_runs.py``), its gradient a copy of the run's."""
+    from flashfsdp.runtime.flat_runs import plan_runs  # noqa: PLC0415
+
+    if kind != "plain":
+        return list(model.parameters())
+    runs, rest = plan_runs([p for p in model.parameters() if p.grad is not None], lambda p: 0)
+    if rest:
+        raise RuntimeError(f"optim_step: {len(rest)} parameter(s) outside any run; the plain row needs runs only")
+    copies = []
+    for run in runs:
+        copy = nn.Parameter(run.flat.detach().clone())
+        copy.grad = run.grad().clone()
+        copies.append(copy)
+    return copies
 
 
 def _with_grads(sharding: str, args, device: torch.device) -> nn.Module:
@@ -72,12 +106,22 @@ def _with_grads(sharding: str, args, device: torch.device) -> nn.Module:
     return model
 
 
-def _tensors(optim: torch.optim.Optimizer) -> int:
-    from flashfsdp.optim.runs import plan_runs  # noqa: PLC0415
+def _count_handed(optim: torch.optim.Optimizer) -> dict:
+    """Record, at each step, the tensors the step is handed (a per-optimizer pre-hook runs after
+    the global ones, which hand flashfsdp's runs over): ``{"tensors": n}`` of the last step."""
+    seen = {}
+    optim.register_step_pre_hook(lambda opt, args, kwargs: seen.update(
+        tensors=sum(p.grad is not None for g in opt.param_groups for p in g["params"])))
+    return seen
 
-    params = [p for g in optim.param_groups for p in g["params"] if p.grad is not None]
+
+def _tensors(optim: torch.optim.Optimizer, handed: dict) -> int:
+    """Tensors the update runs over per step: the flat optimizer's runs, else what the step was handed."""
+    from flashfsdp.runtime.flat_runs import plan_runs  # noqa: PLC0415
+
     if not hasattr(optim, "_flat_step"):
-        return len(params)
+        return handed["tensors"]
+    params = [p for g in optim.param_groups for p in g["params"] if p.grad is not None]
     runs, rest = plan_runs(params, optim._age)
     return len(runs) + len(rest)
 
@@ -98,13 +142,18 @@ def _run(rank: int, world_size: int, args) -> dict:
     torch.set_num_threads(max(1, args.threads))
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     models = {sharding: _with_grads(sharding, args, device) for sharding in ("flashfsdp", "fsdp2")}
-    optims = {name: _optimizer(kind, models[sharding].parameters()) for name, (sharding, kind) in SYSTEMS.items()}
+    optims = {name: _optimizer(kind, _params(kind, models[sharding])) for name, (sharding, kind) in SYSTEMS.items()}
+    handed = {name: _count_handed(optim) for name, optim in optims.items()}
     times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    faults: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     steps = {name: _step_fn(kind, models[sharding], optims[name]) for name, (sharding, kind) in SYSTEMS.items()}
     for _ in range(args.rounds):
         for name, step in steps.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             times[name].append(measure_ms(step, device, warmup=1, repeats=args.repeats))
-    return {"times": times, "tensors": {name: _tensors(optim) for name, optim in optims.items()},
+            faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (1 + args.repeats))
+    return {"times": times, "faults": faults,
+            "tensors": {name: _tensors(optim, handed[name]) for name, optim in optims.items()},
             "params": sum(p.numel() for p in _model(args, torch.device("meta")).parameters())}
 
 
@@ -146,7 +195,8 @@ def main(argv=None) -> list[dict]:
                      "params_M": results[0]["params"] / 1e6, "tensors": results[0]["tensors"][name],
                      "step_ms": statistics.median(per_round)})
     base = next(r["step_ms"] for r in rows if r["system"] == BASELINE)
-    rows = [r | {"vs_fsdp2_foreach": r["step_ms"] / base} | env.stamp() for r in rows]
+    rows = [r | {"vs_fsdp2_foreach": r["step_ms"] / base,
+                 "faults_per_step": statistics.median(results[0]["faults"][r["system"]])} | env.stamp() for r in rows]
     print(f"{env.device_name}: W={args.world_size} {backend}, Llama dim {args.dim} x {args.layers} layers, fp32")
     print(format_table(rows, COLUMNS))
     out = output_dir(env.slug, out=args.out, record=args.record)
@@ -155,8 +205,15 @@ def main(argv=None) -> list[dict]:
     notes = [f"Llama dim {args.dim}, {args.layers} layers + the root = {args.layers + 1} units, fp32, W = "
              f"{args.world_size} ({backend}); optimizer.step() alone on fixed gradients, median of {args.repeats} "
              f"steps after 1 warm-up, slowest rank, median over {args.rounds} interleaved rounds.",
-             "tensors: per rank and step (flat AdamW: runs of consecutive parameters, one per unit here; the others: "
-             "one per parameter).",
+             "tensors: per rank and step, what the update runs over (flat AdamW: runs of consecutive parameters, one "
+             "per unit here; torch's AdamW on flashfsdp: the plain tensors its step is handed, one per run, or per "
+             "parameter for the single-tensor step; on FSDP2: one DTensor per parameter).",
+             "torch's foreach AdamW makes 8 element-wise passes and allocates all its temporaries at once at every "
+             "step; where they lie at the top of glibc's heap when the step frees them, glibc trims them back to the "
+             "OS and the next step faults them in again (faults_per_step: ~3,500 per step here, 14 MB). Which "
+             "system is hit depends on the process's heap layout, not on the tensors' sizes: runs capped at "
+             "FSDP2's tensor sizes fault as often, and FSDP2's own step does in other layouts. The plain-tensors "
+             "row is the update's own cost, the floor of any hand-over.",
              "On a CPU shared with other work (the 2-core CI machine), timings vary by tens of percent from run to run: "
              "compare the ratios within one run."]
     write_markdown(rows, COLUMNS + environment_columns(), out / f"{tag}.md", title="Optimizer step", env=env,

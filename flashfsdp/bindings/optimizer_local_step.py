@@ -1,39 +1,64 @@
-"""Stock element-wise ``torch.optim`` optimizers step the local tensors of flashfsdp's DTensor parameters.
+"""Stock element-wise ``torch.optim`` optimizers step flashfsdp's flat shards, one tensor per run.
 
 A sharded parameter is a DTensor (``runtime/sharding_spec.py``), as on FSDP2, so a stock optimizer
 would run every one of its operations through DTensor's dispatch: per parameter and per operation
 on CPU (the single-tensor loop, torch's default there), per operation and list on GPU (foreach).
-On a model of many small parameters that dispatch costs more than the arithmetic. For the
-optimizers whose update is element-wise — ``SGD``, ``Adam``, ``AdamW``, ``Adamax``, ``Adagrad``,
-``Adadelta``, ``RMSprop``, ``NAdam``, ``RAdam``, ``ASGD``, exactly these classes, not subclasses,
-which may override ``step`` — an update of a sharded parameter is the same update of
-each rank's local chunk: DTensor itself runs the same aten operation on the local tensors. So a
-global optimizer step-pre-hook hands such an optimizer, for the step, the local tensors of the
-flashfsdp parameters in place of the DTensors (their local gradients as ``.grad``, their states'
-local tensors as states), and a step-post-hook puts the DTensors back, wrapping any state tensor
-the step created (``exp_avg`` at the first step, SGD's momentum buffer) as a DTensor of the
-parameter's placements. (``Rprop`` is element-wise too, but it raises on FSDP2's DTensors — DTensor
-has no sharding rule for its masked writes —, and a drop-in raises where FSDP2 raises.) The results are the same bits as the DTensor step: the same kernels run on
-the same tensors, and foreach or fused is chosen as for the DTensors (same device, same dtype).
-Outside ``step`` nothing changes: ``param_groups`` hold the parameters, ``state`` is keyed by them
-and holds DTensors, so ``state_dict()``, DCP and DSD see FSDP2's types.
+For the optimizers whose update is element-wise — ``SGD``, ``Adam``, ``AdamW``, ``Adamax``,
+``Adagrad``, ``Adadelta``, ``RMSprop``, ``NAdam``, ``RAdam``, ``ASGD``, exactly these classes, not
+subclasses, which may override ``step`` — an update of a sharded parameter is the same update of
+each rank's local chunk, and the update of consecutive chunks of one flat shard is the update of
+the slice that holds them. So a global optimizer step-pre-hook hands such an optimizer, for the
+step, plain tensors in place of the DTensors, and a step-post-hook puts the DTensors back:
 
-A group is handed over only if every DTensor in it is a flashfsdp sharded parameter with a plain
-local tensor whose gradient and state DTensors have the parameter's placements and local shape
-(a gradient left ``Partial`` by tensor parallelism, say, needs DTensor's redistribution); otherwise
-that group steps the DTensors. Not inside ``torch.compile`` (a compiled step traces the DTensors).
+- a **run** (``runtime/flat_runs.py``: consecutive parameters of one param group and flat shard,
+  each with its unit's own gradient DTensor and the same state age — keys and 0-d values such as
+  the step count) as ONE tensor, its slice of the master shard ``sharded_flat``, with ``.grad``
+  the same range of the gradient shard and its state the same range of flat state buffers
+  (``FlatStates``, see below). The padding between chunks is stepped too; its gradient, value and state are
+  zero and stay zero, as every listed update maps zeros to zeros, except Adamax's
+  ``max(|g| + eps)``: its runs hold no padding. With ``fused=True`` a run is split after every
+  chunk that is not a whole number of CPU vectors (see [Note: CPU vector tails] there), since
+  torch's fused CPU kernels round a tensor's scalar tail differently from its vectorised body;
+- any other flashfsdp parameter (a gradient set to None or replaced by another DTensor, a state of
+  another age), and every one of a group torch steps tensor by tensor (below), as its local
+  tensor, with its gradient's and states' local tensors;
+- a group with a DTensor that is not a flashfsdp parameter over a plain local tensor, or a
+  gradient or state that is not a DTensor of the parameter's placements and local shape (a
+  gradient left ``Partial`` by tensor parallelism, say, needs DTensor's redistribution), steps
+  the DTensors, as does a step inside ``torch.compile`` (a compiled step traces the DTensors).
 
-What the first step learned is kept for the next (``_Plan``): which parameters are handed over,
-their local tensors, and their states over the local tensors; a later step checks that nothing of
-it changed (the same ``param_groups`` lists, ``state`` dict, local tensors and state values) and
-swaps ``optimizer.state`` as a whole for the plan's dict keyed by the local tensors. The checks
-compare whole lists by identity in C (``map`` over ``operator.is_``), so a step costs, per
-handed-over parameter, reading its ``.grad`` and setting and clearing the local tensor's — about
-1 µs on a 2-core AMD EPYC CPU (0.43 ms for 434 parameters); anything changed builds the plan again.
+Between steps ``optimizer.state[param]`` holds what FSDP2's does: per element-wise key a DTensor
+of the parameter's placements — here over the parameter's view of a flat buffer — and per
+0-d key (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) a 0-d tensor of torch's
+dtype and device — here a view into a slot vector with one slot per parameter (``FlatStates``).
+A run's step is handed its first parameter's slot, which torch advances; after the step one
+``_foreach_copy_`` copies it into the run's other slots. A state torch creates for a run (at its
+first step) becomes the flat buffer (or is copied into it) and the slots once, and the
+parameters' states are pointed at their views; a state loaded or assigned between steps
+(``load_state_dict``, DCP, DSD) is copied into them at the next step. ``state_dict()``, DCP and
+DSD therefore read and write FSDP2's keys, types, placements and values, and the results are
+FSDP2's bits: the same kernels run on the same elements with the same scalars
+(``tests/bindings/test_optimizer_local_step.py``, foreach and fused where torch has them).
+(``Rprop`` is element-wise too, but it raises on FSDP2's DTensors — no sharding rule for its
+masked writes —, and a drop-in raises where FSDP2 raises.)
 
-A step that raises leaves the local tensors in ``param_groups`` and the plan's dict as
-``optimizer.state`` (torch runs no post-hook then); both are put back at the start of that
-optimizer's next step.
+Memory is FSDP2's (``optimizer_runs.py``): a state buffer spans one *segment* of the optimizer's
+own parameters in one unit, not the unit's shard (``runtime/flat_runs.py``, [Note: state
+segments]), so an optimizer per parameter (stepped in a post-accumulate-grad hook) keeps state
+for its parameter only. Runs go to foreach steps (all tensors' temporaries at once, FSDP2's too)
+and fused ones (none); where torch steps tensor by tensor (``foreach=False``, or the default on
+CPU), each tensor's temporaries are its size and may outlive it into the next tensor's, so such
+a group is handed its local tensors: FSDP2's tensors, FSDP2's temporaries, and states made by
+torch per parameter (DTensors over them, no flat buffers).
+
+What a step learned is kept for the next (``_Plan``); a later step checks that nothing of it
+changed (the same ``param_groups`` lists, ``state`` dict and values, local tensors, each run's
+gradients its unit's own: ``GradShard.exposed_grads``) by identity over whole lists (``map`` over
+``operator.is_``, in C) and swaps ``optimizer.state`` as a whole for the plan's dict keyed by the
+handed tensors; anything changed builds the plan again. Checks, hand-over and put-back cost about
+0.28 ms per step for 434 parameters in 49 runs (2-core AMD EPYC CPU). A step that raises leaves
+the handed tensors in ``param_groups`` and the plan's dict as ``optimizer.state`` (torch runs no
+post-hook then); both are put back at the start of that optimizer's next step.
 """
 
 from __future__ import annotations
@@ -47,32 +72,40 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from flashfsdp.runtime.sharding_spec import SHARDED_ATTR, wrap_like
+from flashfsdp._torch_private import foreach_copy_
+from flashfsdp.runtime.flat_runs import FlatStates, Run
+from flashfsdp.runtime.param_tags import tag_of
+from flashfsdp.runtime.sharding_spec import wrap_like
 
-# The optimizer classes whose update of a tensor is element-wise (see the module docstring).
-_ELEMENTWISE = frozenset({
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
-    torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
-})
-# optimizer -> its hand-over plan (see _Plan), kept from step to step while it holds
+from .optimizer_runs import ELEMENTWISE, Param, cover, group_runs, has_own_grad, local_like, param_entries
+
+# optimizer -> its hand-over plan (see _Plan), kept from step to step while it holds; its plan
+# while a step is in progress (handed over, not yet put back); the flat state buffers its runs'
+# states live in (kept across plans)
 _plans: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
-# optimizer -> its plan, while a step is in progress (handed over, not yet put back)
 _handed: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
+_flat_states: "weakref.WeakKeyDictionary[torch.optim.Optimizer, FlatStates]" = weakref.WeakKeyDictionary()
 _handles: tuple = ()
 
 
-class _Param:
-    """One handed-over parameter: the DTensor, its local tensor and spec, its state as the
-    optimizer holds it between steps (``state[param]``, DTensors) and the same state over the local
-    tensors (``local_state``, persistent from step to step), with the values the local state held
-    when the two last agreed (``local_snapshot``)."""
+class _Run:
+    """One run handed over as one tensor: ``flat`` (its slice of the master shard), its flat group
+    and index range ``[first, stop)``, its range ``[grad_lo, grad_hi)`` of the gradient shard, the
+    positions ``[start, end)`` of its parameters in the plan's list, and its state as the step
+    sees it (``state``: flat-buffer slices and its first parameter's 0-d slots), with the values
+    the plan put there (``known``) and those it held when last put back (``snapshot``)."""
 
-    __slots__ = ("param", "local", "spec", "state", "local_state", "local_snapshot")
+    __slots__ = ("run", "flat", "group", "first", "stop", "grad_lo", "grad_hi", "start", "end", "state",
+                 "known", "snapshot")
 
-    def __init__(self, param: DTensor, local: torch.Tensor, state: dict | None, local_state: dict):
-        self.param, self.local, self.spec = param, local, param._spec
-        self.state, self.local_state = state, local_state
-        self.local_snapshot = tuple(local_state.values())
+    def __init__(self, run: Run, start: int, state: dict):
+        tag = tag_of(run.params[0])
+        self.run, self.flat, self.group, self.first = run, run.flat, tag.group, tag.index
+        self.stop = self.first + len(run.params)
+        self.grad_lo = run.lo + run.shift - tag.group.exposed_grads()[0].storage_offset()
+        self.grad_hi = self.grad_lo + run.flat.numel()
+        self.start, self.end = start, start + len(run.params)
+        self.state, self.known, self.snapshot = state, dict(state), tuple(state.values())
 
 
 class _Plan:
@@ -80,42 +113,67 @@ class _Plan:
     kept for the next ones while nothing it depends on changed (:meth:`holds`): the
     ``param_groups`` lists (the same objects, the same lengths), the optimizer's ``state`` dict and
     everything in it (the same keys, per-parameter dicts and values, by identity), each
-    parameter's local tensor. ``optimizer.state`` is swapped as a whole for a dict keyed by the
-    local tensors.
+    parameter's local tensor, and at the hand-over each run's gradients. ``optimizer.state`` is
+    swapped as a whole for a dict keyed by the handed tensors.
 
-    The checks and hand-overs of a step that changes nothing run as comparisons by identity over
-    whole lists (``map`` with ``operator.is_``, ``attrgetter``), in C rather than a Python loop per
-    parameter; only a step that changes something (the first, a new state, a gradient that is not
-    the unit's own) walks the parameters one by one."""
+    ``dparams`` lists the handed-over DTensor parameters, the runs' first (run by run, in index
+    order), then the others (``params``); ``all_locals`` follows it, ``specs`` and ``locals`` are
+    the others'."""
 
-    __slots__ = ("groups", "lists", "lengths", "local_lists", "state", "local_state", "params", "others",
-                 "dparams", "locals", "specs", "local_dicts", "seen", "local_seen")
+    __slots__ = ("groups", "lists", "lengths", "local_lists", "state", "local_state", "params", "others", "runs",
+                 "dparams", "all_locals", "locals", "flats", "specs", "local_dicts", "seen", "local_seen",
+                 "flat_states", "copy_to", "copy_from", "waiting")
 
-    def __init__(self, optimizer: torch.optim.Optimizer, handed: list[tuple[dict, list[_Param]]]):
+    def __init__(self, optimizer: torch.optim.Optimizer, handed: list, flat_states: FlatStates):
         self.groups = list(optimizer.param_groups)
         self.lists = [g["params"] for g in self.groups]
         self.lengths = [len(p) for p in self.lists]
-        self.state = optimizer.state
-        self.params = [entry for _, entries in handed for entry in entries]
-        self.dparams = [e.param for e in self.params]
-        self.locals = [e.local for e in self.params]
+        self.state, self.flat_states = optimizer.state, flat_states
+        self.copy_to, self.copy_from = [], []
+        self.runs: list[_Run] = []
+        members: list[Param] = []
+        for _, runs, _ in handed:
+            for run, entries in runs:
+                self.runs.append(_Run(run, len(members), self._run_state(run, entries)))
+                members += entries
+        self.params = [e for _, _, entries in handed for e in entries]
+        # parameters left out of runs for their gradient (None, or not their unit's own): should
+        # one get its unit's own, the plan is built again to let it join a run
+        self.waiting = [(e.param, tag_of(e.param)) for e in self.params if not has_own_grad(e.param)]
+        self.dparams = [e.param for e in chain(members, self.params)]
+        self.all_locals = [e.local for e in chain(members, self.params)]
         self.specs = [e.spec for e in self.params]
-        handed_ids = {id(e.param) for e in self.params}
-        self.local_lists = {}
-        for group, entries in handed:
-            by_id = {id(e.param): e.local for e in entries}
-            self.local_lists[id(group)] = [by_id.get(id(p), p) for p in group["params"]]
+        self.locals = [e.local for e in self.params]
+        self.flats = [r.flat for r in self.runs]
+        self.local_lists = {id(group): _handed_list(group, runs, entries) for group, runs, entries in handed}
+        handed_ids = set(map(id, self.dparams))
         # every other parameter keeps its own state, the same dict in both
         self.others = [p for g in self.lists for p in g if id(p) not in handed_ids]
         self.local_state = defaultdict(dict)
+        for r in self.runs:
+            self.local_state[r.flat] = r.state
         for e in self.params:
             self.local_state[e.local] = e.local_state
         for p in self.others:
             if p in self.state:
                 self.local_state[p] = self.state[p]
-        self.local_dicts = [e.local_state for e in self.params]
+        self.local_dicts = [r.state for r in self.runs] + [e.local_state for e in self.params]
         self.seen = _contents(self.state)
         self.local_seen = _values_of(self.local_dicts)
+
+    def _run_state(self, run: Run, entries: list[Param]) -> dict:
+        """The run's state as its step sees it, its parameters' states moved into the flat buffers
+        and slots first (``FlatStates.gather``)."""
+        mine, slots = self.flat_states.gather(run, [e.state for e in entries] if entries[0].state else [])
+        for vector in slots:
+            self._copy_slots(vector)
+        return mine
+
+    def _copy_slots(self, slots: torch.Tensor) -> None:
+        """After each step, copy a run's first slot (the one its step advanced) into the others."""
+        if slots.numel() > 1:
+            self.copy_to.append(slots[1:])
+            self.copy_from.append(slots[0].expand(slots.numel() - 1))
 
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the plan still describes ``optimizer`` (see the class docstring)."""
@@ -126,29 +184,26 @@ class _Plan:
             if group is not mine or group["params"] is not plist or len(plist) != n:
                 return False
         return (self.seen is not None and _contents(self.state) == self.seen
-                and all(map(_is, map(_LOCAL, self.dparams), self.locals)))
+                and all(map(_is, map(_LOCAL, self.dparams), self.all_locals)))
 
     def hand_over(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Give the step the local tensors, their gradients and states; False (nothing changed)
-        where a gradient is not one the step may take as a local tensor."""
+        """Give the step the runs and local tensors, their gradients and states; False (nothing
+        changed) where a gradient is not one the step may take as planned."""
+        for param, tag in self.waiting:
+            if param.grad is not None and has_own_grad(param, tag):
+                return False
         grads = list(map(_GRAD, self.dparams))
-        try:  # every gradient the unit's own DTensor over a plain local tensor: no walk
-            fast = all(map(_is, map(_SPEC, grads), self.specs))
-        except AttributeError:  # a None or plain gradient
-            fast = False
-        if fast:
-            grads = list(map(_LOCAL, grads))
-            fast = all(map(_is, map(type, grads), repeat(torch.Tensor)))
-        if not fast:
-            locals_ = []
-            for grad, e in zip(grads, self.params):
-                if grad is not None:
-                    grad = _local_like(grad, e.spec, e.local)
-                    if grad is None:
-                        return False
-                locals_.append(grad)
-            grads = locals_
-        list(map(setattr, self.locals, repeat("grad"), grads))
+        local_grads = self._local_grads(grads[len(self.dparams) - len(self.params):])
+        if local_grads is None:
+            return False
+        run_grads = []
+        for r in self.runs:  # each run's gradients its unit's own: its slice of the gradient shard
+            own = r.group.exposed_grads()
+            if own is None or not all(map(_is, grads[r.start : r.end], own[1][r.first : r.stop])):
+                return False
+            run_grads.append(own[0][r.grad_lo : r.grad_hi])
+        list(map(setattr, self.flats, repeat("grad"), run_grads))
+        list(map(setattr, self.locals, repeat("grad"), local_grads))
         for group in self.groups:
             local = self.local_lists.get(id(group))
             if local is not None:
@@ -156,39 +211,108 @@ class _Plan:
         optimizer.state = self.local_state
         return True
 
+    def _local_grads(self, grads: list) -> list | None:
+        """The local tensors of ``grads`` (the gradients of ``params``; None stays None), or None
+        where one is not a DTensor of its parameter's placements and local shape."""
+        try:  # every gradient the unit's own DTensor over a plain local tensor: no walk
+            if all(map(_is, map(_SPEC, grads), self.specs)):
+                local_grads = list(map(_LOCAL, grads))
+                if all(map(_is, map(type, local_grads), repeat(torch.Tensor))):
+                    return local_grads
+        except AttributeError:  # a None or plain gradient
+            pass
+        out = []
+        for grad, spec, local in zip(grads, self.specs, self.locals):
+            if grad is not None:
+                grad = local_like(grad, spec, local)
+                if grad is None:
+                    return None
+            out.append(grad)
+        return out
+
     def put_back(self, optimizer: torch.optim.Optimizer) -> None:
-        """Restore ``param_groups`` and ``state``, clear the local tensors' ``.grad`` and bring
-        what the step changed in the local states back into the parameters' states (new state
-        tensors wrapped as DTensors of the parameter's placements)."""
+        """Restore ``param_groups`` and ``state``, clear the handed tensors' ``.grad``, copy each
+        run's advanced 0-d states into its other parameters' slots and bring what the step created
+        into the parameters' states (see :meth:`_adopt_run`, :meth:`_adopt_param`)."""
         for group, plist in zip(self.groups, self.lists):
             group["params"] = plist
         optimizer.state = state = self.state
-        list(map(setattr, self.locals, repeat("grad"), repeat(None)))
-        changed = False
+        list(map(setattr, chain(self.flats, self.locals), repeat("grad"), repeat(None)))
+        if self.copy_to:
+            with torch.no_grad():
+                foreach_copy_(self.copy_to, self.copy_from)
         local_state = self.local_state
-        for p in self.others:  # a state the step created for a parameter not handed over
-            if p not in state and p in local_state:
-                state[p] = local_state[p]
-                changed = True
-        if _values_of(self.local_dicts) != self.local_seen:
-            changed = True
-            for e in self.params:
-                mine = e.local_state
-                if len(mine) == len(e.local_snapshot) and all(map(_is, mine.values(), e.local_snapshot)):
-                    continue
-                if e.state is None:
-                    e.state = state[e.param]
-                for key, value in mine.items():
-                    old = e.state.get(key)
-                    if isinstance(old, DTensor) and old._local_tensor is value:
-                        continue
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == e.local.shape:
-                        value = wrap_like(e.param, value)
-                    e.state[key] = value
-                e.local_snapshot = tuple(mine.values())
-            self.local_seen = _values_of(self.local_dicts)
-        if changed:
+        changed = _values_of(self.local_dicts) != self.local_seen
+        if changed or any(p not in state and p in local_state for p in self.others):
+            self._new_states_in_order(state)
+            if changed:
+                with torch.no_grad():
+                    for r in self.runs:
+                        self._adopt_run(r, state)
+                for e in self.params:
+                    _adopt_param(e, state)
+                self.local_seen = _values_of(self.local_dicts)
             self.seen = _contents(state)
+
+    def _new_states_in_order(self, state: dict) -> None:
+        """Enter into ``state`` the parameters the step gave a state for the first time, in the
+        order of ``param_groups`` (torch's, which ``state_dict()`` lists): a state made for a
+        parameter not handed over as it is, an empty dict that :meth:`_adopt_run` and
+        :func:`_adopt_param` fill for the others."""
+        fresh = {}
+        for r in self.runs:
+            if r.state:
+                fresh.update((id(p), None) for p in r.run.params)
+        fresh.update((id(e.param), None) for e in self.params if e.local_state)
+        fresh.update((id(p), self.local_state[p]) for p in self.others if p in self.local_state)
+        for plist in self.lists:
+            for p in plist:
+                if id(p) in fresh and p not in state:
+                    value = fresh[id(p)]
+                    state[p] = {} if value is None else value
+
+    def _adopt_run(self, r: _Run, state: dict) -> None:
+        """Move what the step created or replaced in a run's state into the flat buffers and slots
+        and point its parameters' states at their views (``FlatStates.scatter``: values copied once)."""
+        mine = r.state
+        if len(mine) == len(r.snapshot) and all(map(_is, mine.values(), r.snapshot)):
+            return
+        states = [state[p] for p in r.run.params]
+        for key, value in list(mine.items()):
+            if r.known.get(key) is not value:
+                mine[key], slots = self.flat_states.scatter(r.run, key, value, states)
+                r.known[key] = mine[key]
+                if slots is not None:
+                    self._copy_slots(slots)
+        r.snapshot = tuple(mine.values())
+
+
+def _adopt_param(e: Param, state: dict) -> None:
+    """Bring what the step changed in a parameter's local state into its state (new state tensors
+    wrapped as DTensors of the parameter's placements)."""
+    mine = e.local_state
+    if len(mine) == len(e.local_snapshot) and all(map(_is, mine.values(), e.local_snapshot)):
+        return
+    if e.state is None:
+        e.state = state[e.param]
+    for key, value in mine.items():
+        old = e.state.get(key)
+        if isinstance(old, DTensor) and old._local_tensor is value:
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == e.local.shape:
+            value = wrap_like(e.param, value)
+        e.state[key] = value
+    e.local_snapshot = tuple(mine.values())
+
+
+def _handed_list(group: dict, runs: list, entries: list[Param]) -> list:
+    """What the step sees as ``group["params"]``: each run's flat tensor where its first parameter
+    is, the local tensor of every other flashfsdp parameter, the rest as it is."""
+    by_id = {id(e.param): e.local for e in entries}
+    for run, _ in runs:
+        by_id[id(run.params[0])] = run.flat
+        by_id.update((id(p), None) for p in run.params[1:])
+    return [t for t in (by_id.get(id(p), p) for p in group["params"]) if t is not None]
 
 
 _is = operator.is_
@@ -241,7 +365,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     plan = _handed.pop(optimizer, None)
     if plan is not None:  # its last step raised: put its parameters back first
         plan.put_back(optimizer)
-    if type(optimizer) not in _ELEMENTWISE or torch.compiler.is_compiling():
+    if type(optimizer) not in ELEMENTWISE or torch.compiler.is_compiling():
         return
     plan = _plans.get(optimizer)
     if plan is None or not plan.holds(optimizer):
@@ -252,7 +376,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         _plans[optimizer] = plan
     if plan.hand_over(optimizer):
         _handed[optimizer] = plan
-    else:  # a gradient the step must take as a DTensor (a Partial TP gradient, say): build again
+    else:  # a gradient that is not as planned (a Partial TP gradient, one replaced): build again
         _plans.pop(optimizer, None)
         plan = _build(optimizer)
         if plan is not None and plan.hand_over(optimizer):
@@ -261,54 +385,20 @@ def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 def _build(optimizer: torch.optim.Optimizer) -> _Plan | None:
     """The plan of ``optimizer`` now, or None where no group can be handed over."""
-    handed = []
+    groups = []
     for group in optimizer.param_groups:
-        entries = _entries(group["params"], optimizer.state)
-        if entries:
-            handed.append((group, entries))
-    return _Plan(optimizer, handed) if handed else None
-
-
-def _entries(params: list, state) -> list[_Param] | None:
-    """A :class:`_Param` for each flashfsdp parameter of one group, or None where the group must
-    step its DTensors (module docstring)."""
-    entries = []
-    for param in params:
-        if not isinstance(param, DTensor):
-            continue
-        if not getattr(param, SHARDED_ATTR, False):
-            return None
-        local = param._local_tensor
-        if type(local) is not torch.Tensor:
-            return None
-        spec = param._spec
-        grad = param.grad
-        if grad is not None and _local_like(grad, spec, local) is None:
-            return None
-        param_state = state.get(param)
-        local_state = {}
-        for key, value in (param_state or {}).items():
-            if isinstance(value, DTensor):
-                value = _local_like(value, spec, local)
-                if value is None:
-                    return None
-            local_state[key] = value
-        entries.append(_Param(param, local, param_state, local_state))
-    return entries
-
-
-def _local_like(tensor: torch.Tensor, spec, local: torch.Tensor) -> torch.Tensor | None:
-    """The plain local tensor of ``tensor`` if it is a DTensor placed as ``spec`` says with the
-    local shape of ``local``, else None. Most often its spec is ``spec`` itself (a unit's gradients
-    and the states made here share their parameter's): then placements and shapes agree as they are."""
-    if not isinstance(tensor, DTensor):
+        members = param_entries(group["params"], optimizer.state)
+        if members:
+            groups.append((group, members))
+    if not groups:
         return None
-    other, mine = tensor._spec, tensor._local_tensor
-    if other is spec:
-        return mine if type(mine) is torch.Tensor else None
-    if other.placements != spec.placements or type(mine) is not torch.Tensor or mine.shape != local.shape:
-        return None
-    return mine
+    flat_states = _flat_states.get(optimizer)
+    if flat_states is None:
+        flat_states = _flat_states[optimizer] = FlatStates()
+    cover(flat_states, groups)
+    handed = [(group, *group_runs(optimizer, group, members)) for group, members in groups]
+    with torch.no_grad():  # (states copied into the flat buffers)
+        return _Plan(optimizer, handed, flat_states)
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

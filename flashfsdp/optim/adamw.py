@@ -27,9 +27,9 @@ class AdamW(ClipInStepMixin, FlatStepMixin, torch.optim.AdamW):
 
     How it steps: a unit's sharded parameters are views into one master shard and their gradients
     views into one gradient shard (``FlatParam``). Per optimizer group, consecutive pieces of one
-    shard that all have a gradient and the same step count form a run (``runs.py``); the state of
-    every piece is a view into one flat buffer per shard and key, so a run is one tensor for the
-    parameters, the gradient and each state. All runs of a group then go to one
+    shard that all have a gradient and the same step count form a run (``runtime/flat_runs.py``);
+    the state of every piece is a view into one flat buffer per shard and key, so a run is one
+    tensor for the parameters, the gradient and each state. All runs of a group then go to one
     ``torch._fused_adamw_`` call (CPU or CUDA; with ``fused=False``: torch's foreach or for-loop
     path over the runs). A unit whose parameters are all trainable, in one group and all with
     gradients is a single run. Everything else — parameters that are not flashfsdp pieces, pieces
@@ -37,10 +37,13 @@ class AdamW(ClipInStepMixin, FlatStepMixin, torch.optim.AdamW):
     steps it. Parameters whose ``.grad`` is None are not stepped (and break runs), as in torch.
 
     Differences that do not change results: ``state`` entries are created in storage order, so
-    ``state_dict()["state"]`` lists the same keys in another order than torch's; a unit's state
-    buffers span its whole shard (padding, and pieces of parameters this optimizer does not hold,
-    included); groups that interleave within a unit (decay / no decay per parameter) split its
-    run at every border. The per-group plan is cached (``base.py``).
+    ``state_dict()["state"]`` lists the same keys in another order than torch's; a state buffer
+    spans the range of a unit's shard that this optimizer's parameters cover (the padding between
+    them included; ``runtime/flat_runs.py``, [Note: state segments]); groups that interleave within
+    a unit (decay / no decay per parameter) split its run at every border. The per-group plan is
+    cached (``base.py``). With ``fused=False`` and torch's single-tensor path (``foreach=False``, or
+    the CPU default), a run's temporaries are the run's size, not a parameter's as on torch's AdamW
+    over FSDP2.
 
     Clipping in the step (``max_grad_norm``): ``step()`` first computes the 2-norm of all
     gradients across ranks exactly as :func:`flashfsdp.clip_grad_norm_` does (the same helper,
@@ -104,13 +107,13 @@ class AdamW(ClipInStepMixin, FlatStepMixin, torch.optim.AdamW):
         device_of = (lambda p: p.device) if on_device else (lambda p: torch.device("cpu"))
         keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         states = self._flat_states()
-        states.reserve_steps(plan.runs, device_of, step_dtype)
         lists = ([], None, [], [], [], [])  # params, grads (per step), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
         others = []  # the counters of the pieces after each run's first: advanced alongside it
         for run in plan.runs:
-            counters = states.run_steps(run, device_of(run.params[0]), step_dtype)
-            for i, p in enumerate(run.params):
-                states.adopt_step(p, self.state[p], counters[i])
+            device = device_of(run.params[0])
+            counters = states.run_slots(run, "step", step_dtype, device)
+            for p in run.params:
+                states.adopt_slot(p, self.state[p], "step", step_dtype, device)
                 for key in keys:
                     states.adopt(p, self.state[p], key)
             lists[0].append(run.flat)

@@ -10,7 +10,7 @@ A group's plan is kept while its parameters and their gradients stay where they 
 gradient shards of a unit are freed by ``zero_grad`` and allocated again, usually elsewhere: then
 the plan is made again), its flags are unchanged, every state tensor the plan steps is still the
 one in ``state`` and ``load_state_dict`` was not called. Checking that costs a few pointer reads
-per parameter; planning costs much more (see ``runs.py``).
+per parameter; planning costs much more (see ``runtime/flat_runs.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from flashfsdp.runtime.extensions import refuse_subclass_params
 from flashfsdp.runtime.param_tags import tag_of
 
-from .runs import FlatStates, Run, plan_runs, signature
+from flashfsdp.runtime.flat_runs import FlatStates, Run, plan_runs, signature
 
 
 @dataclass
@@ -47,7 +47,7 @@ class GroupPlan:
 
 
 class FlatStepMixin:
-    """Step each optimizer group's flashfsdp pieces as flat runs (see ``runs.py``)."""
+    """Step each optimizer group's flashfsdp pieces as flat runs (see ``runtime/flat_runs.py``)."""
 
     _PLAN_FLAGS = ("differentiable", "fused", "foreach", "capturable")
 
@@ -97,12 +97,14 @@ class FlatStepMixin:
         if (plan is not None and not plan.stale and plan.key == key
                 and all(state.get(p, {}).get(k) is t for p, k, t in plan.checks)):
             return plan
+        states = self._flat_states()
+        if states.cover([p for g in self.param_groups for p in g["params"]]):
+            plans.clear()  # new segments: the other groups' plans step the buffers they left
         with_grad = [p for p in group["params"] if p.grad is not None]
         runs, rest = ([], with_grad) if group.get("differentiable") else plan_runs(with_grad, self._age)
         plan = plans[index] = GroupPlan(key, runs, rest)
         if runs:
             self._build_plan(group, plan)
-        self._flat_states().retain([r for p in plans.values() for r in p.runs])
         return plan
 
     def _flat_step(self, closure: Callable[[], torch.Tensor] | None):

@@ -109,6 +109,16 @@ class GradShard:
         """Each parameter's chunk of ``sharded_grad`` (local shapes, plain tensors)."""
         return self.local_views(self.sharded_grad_buffer())
 
+    def exposed_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """``(sharded_grad, its gradient DTensors)`` as :meth:`grad_tensors` built them (one per
+        parameter, in index order), or None where there is no gradient shard or none were built
+        over it. Reads only: allocates and builds nothing, so an optimizer may ask at every step
+        whether a ``.grad`` is the unit's own (a view of ``sharded_grad`` at the parameter's chunk)."""
+        tensors = self._grad_tensors
+        if tensors is None or self.sharded_grad is None or tensors[0] is not self.sharded_grad:
+            return None
+        return tensors
+
     def grad_tensors(self) -> list[torch.Tensor]:
         """The ``.grad`` of each sharded parameter over ``sharded_grad``: DTensors of the
         parameters' placements (plain tensors without a mesh), built once per buffer."""
