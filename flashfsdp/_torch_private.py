@@ -129,6 +129,9 @@ foreach_copy_ = private("torch", "_foreach_copy_")  # kernels/reference.py
 foreach_add_ = private("torch", "_foreach_add_")  # optim/adamw.py: step counters
 foreach_sub_ = private("torch", "_foreach_sub_")
 foreach_mul_ = private("torch", "_foreach_mul_")  # bindings/clip_grad.py
+foreach_mul = private("torch", "_foreach_mul")  # kernels/reference.py: a bucket's accumulation
+foreach_norm = private("torch", "_foreach_norm")
+foreach_zero_ = private("torch", "_foreach_zero_")  # kernels/reference.py: flatten's gaps
 assert_async = private("torch", "_assert_async")  # bindings/clip_grad.py: (tensor, message)
 
 # ---------------------------------------------------------------------------- optimizers, scaler

@@ -46,7 +46,7 @@ BEHAVIOUR = {
     "current_graph_task_id", "will_engine_execute_node", "are_functorch_transforms_active", "DisableFuncTorch",
     "unsafe_set_version_counter", "profiler_enabled", "make_wrapper_subclass", "disabled_torch_function_impl",
     "DisableTorchFunctionSubclass", "aten_to_copy", "pytree", "foreach_copy_", "foreach_add_", "foreach_sub_",
-    "foreach_mul_", "assert_async", "REGISTRY_KEY", "RegistryItem", "WrapPolicy",
+    "foreach_mul_", "foreach_mul", "foreach_norm", "foreach_zero_", "assert_async", "REGISTRY_KEY", "RegistryItem", "WrapPolicy",
     "saved_tensors_hooks_is_enabled", "top_saved_tensors_default_hooks", "set_code_exec_strategy",
     "FrameExecStrategy", "FrameAction", "ActivationWrapper", "CheckpointImpl",
     "apply_activation_checkpointing", "checkpoint_wrapper", "c10d_world", "DTensorSpec", "TensorMeta",
@@ -154,6 +154,11 @@ def test_multi_tensor_ops():
     tp.foreach_sub_(a, [torch.tensor(1.0), torch.tensor(2.0)])
     tp.foreach_mul_(a, torch.tensor(3.0))
     assert a[0].tolist() == [3.0, 3.0] and a[1].tolist() == [3.0, 3.0, 3.0]
+    doubled = tp.foreach_mul(a, 2.0)
+    assert doubled[1].tolist() == [6.0, 6.0, 6.0] and a[1].tolist() == [3.0, 3.0, 3.0]
+    assert [float(n) for n in tp.foreach_norm([torch.tensor([3.0, 4.0])])] == [5.0]
+    tp.foreach_zero_(a)
+    assert a[0].tolist() == [0.0, 0.0]
     tp.assert_async(torch.tensor(True), "never raised")
 
 

@@ -9,6 +9,7 @@ or the optimizer and the all-gather would see different storage. Each function t
 
 from __future__ import annotations
 
+import operator
 
 from flashfsdp.runtime.comm_factory import communicator_for
 from flashfsdp.runtime.communicator import Communicator
@@ -23,11 +24,30 @@ def adopt_replaced_params(self: "FSDPState") -> None:
     already issued (prefetch) read the old values: it is dropped and issued again."""
     if self.holds_unsharded:
         return
-    if all(regs[0][0]._parameters.get(regs[0][1]) is self.unit.sharded_param(i)
-           for i, regs in enumerate(self.registrations)):
+    # what each parameter's first registration holds against the unit's sharded parameter, compared
+    # by identity in one pass in C (this runs at every forward of every unit)
+    dicts, names, groups, positions = _registration_columns(self)
+    held = map(dict.get, dicts, names)
+    mine = map(operator.getitem, map(_SHARDED_PARAMS, groups), positions)
+    if all(map(operator.is_, held, mine)):
         return
     self.unit.reshard()
     adopt_module_params(self)
+
+
+_SHARDED_PARAMS = operator.attrgetter("sharded_params")
+
+
+def _registration_columns(self: "FSDPState") -> tuple:
+    """Per parameter: the ``_parameters`` dict and name of its first registration, its group and
+    position there (kept on the state; the dicts are the modules' own, which ``nn.Module`` keeps)."""
+    columns = self.__dict__.get("_registration_columns")
+    if columns is None or columns[4] is not self.unit.param_slots:
+        firsts = [regs[0] for regs in self.registrations]
+        columns = self._registration_columns = (
+            [m._parameters for m, _ in firsts], [n for _, n in firsts],
+            [g for g, _ in self.unit.param_slots], [pos for _, pos in self.unit.param_slots], self.unit.param_slots)
+    return columns[:4]
 
 
 def adopt_module_params(self: "FSDPState") -> None:

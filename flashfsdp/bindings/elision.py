@@ -66,16 +66,27 @@ def default_enabled() -> bool:
     return value in _ON
 
 
-class UnitElision:
-    """One unit's elision state (``FSDPState.elision``): the switch, the forwards' record and the
-    watch of the forward in progress."""
+# A unit whose watched forward saved a parameter reads it again in most forwards after: the next
+# RECHECK_AFTER forwards whose inputs need gradients as the watched one's did are taken as reading
+# it without a watch (the unit all-gathers for backward, as a watch that finds a read decides), so
+# that the watch's per-tensor hooks cost nothing there. Inputs that change whether they need
+# gradients (what decides whether a linear layer's backward reads its weight) are watched again.
+RECHECK_AFTER = 8
 
-    __slots__ = ("enabled", "needs", "watch")
+
+class UnitElision:
+    """One unit's elision state (``FSDPState.elision``): the switch, the forwards' record, the
+    watch of the forward in progress, and how many forwards still go unwatched after a watch found
+    a parameter read (:data:`RECHECK_AFTER`)."""
+
+    __slots__ = ("enabled", "needs", "watch", "unwatched", "inputs_need_grad")
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.needs = BackwardNeeds()
         self.watch: SavedTensorWatch | None = None
+        self.unwatched = 0
+        self.inputs_need_grad = False  # of the forward watched last
 
 
 def attach(state: "FSDPState") -> None:
@@ -91,6 +102,7 @@ def set_enabled(state: "FSDPState", enabled: bool) -> None:
     """``FSDPModule.set_backward_all_gather_elision``: turning it off drops the current record."""
     state.elision.enabled = enabled
     state.elision.needs.reset()
+    state.elision.unwatched = 0
 
 
 def _recomputes(module: nn.Module) -> bool:
@@ -117,19 +129,25 @@ def recomputes_inside(state: "FSDPState") -> bool:
     return False
 
 
-def begin_forward(state: "FSDPState") -> None:
-    """The unit's pre-forward (not during backward), its parameters unsharded: watch the forward."""
+def begin_forward(state: "FSDPState", inputs_need_grad: bool = True) -> None:
+    """The unit's pre-forward (not during backward), its parameters unsharded: watch the forward
+    (``inputs_need_grad``: whether any forward input requires grad)."""
     el = state.elision
     if state.is_root:
         for other in state.ctx.states:  # watches a forward that raised left open
             _close(other, found=True)
     if el.watch is not None or not el.enabled or not state.reshards_after_forward() or not torch.is_grad_enabled():
         return
+    if el.unwatched and inputs_need_grad == el.inputs_need_grad:
+        el.unwatched -= 1  # its last watch found a parameter read: taken as reading one (it gathers)
+        el.needs.record(None)
+        return
     # a unit with all-gather extensions: what its forward saves lies outside the flat buffers
     if (functorch_active() or torch.compiler.is_compiling() or not watch_possible() or recomputes_inside(state)
             or state.unit.extensions):
         el.needs.record(None)
         return
+    el.unwatched, el.inputs_need_grad = 0, inputs_need_grad
     el.watch = start_watch(buffer_ranges([group.unsharded_flat for group in state.unit.groups]))
 
 
@@ -151,6 +169,7 @@ def _close(state: "FSDPState", found: bool = False) -> None:
         watch.found |= found
         state.elision.needs.record(watch)
         state.elision.watch = None
+        state.elision.unwatched = RECHECK_AFTER if watch.found else 0
 
 
 def end_backward(state: "FSDPState") -> None:

@@ -11,6 +11,8 @@ first queues :meth:`RootContext.end_backward` on the autograd engine.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from flashfsdp.runtime import bucket, trace
@@ -18,6 +20,7 @@ from flashfsdp.runtime.env import count_from_env
 from flashfsdp.runtime.schedule import PrefetchPolicy
 from flashfsdp.runtime.states import ShardState
 from flashfsdp.runtime.step import DEFAULT_BUCKET_BYTES, StepProtocol, UnitSettings
+from flashfsdp.runtime.reduce import finish_all
 from flashfsdp.runtime.unit import PendingReduce
 from flashfsdp.runtime.tree import map_tensors
 
@@ -57,7 +60,7 @@ class RootContext:
         self.root, self.states = root, states
         self.step = StepProtocol(root, self, policy, bucket_bytes=bucket_bytes)
         self.buckets = bucket.Buckets()
-        # each unit's bucket classes, found once per step (bucket.py): state -> (gather, reduce)
+        # each unit's bucket classes (bucket.py): state -> (what they depend on, (gather, reduce))
         self._classes: dict = {}
         self.step.is_last_backward = is_last_backward
         self.pending: list[PendingReduce] = []
@@ -101,10 +104,15 @@ class RootContext:
         return elision.needs_backward_unshard(state)
 
     def _bucket_classes(self, state) -> tuple:
-        classes = self._classes.get(state)
-        if classes is None:
-            classes = self._classes[state] = (bucket.all_gather_class(state.unit), bucket.reduce_class(state.unit))
-        return classes
+        """The unit's (all-gather, reduction) bucket classes, found again when what they depend on
+        changed: which parameters train (the tuple ``FSDPState`` tracks, replaced on a change and
+        after a conversion), the divide factor, the communicators, the all-gather extensions."""
+        unit = state.unit
+        key = (state._tracked_requires_grad, unit.gradient_divide_factor, unit.rs_comm, unit.comm, unit._extensions)
+        kept = self._classes.get(state)
+        if kept is None or not all(map(operator.is_, kept[0], key)):  # by identity: a conversion's new tuple
+            kept = self._classes[state] = (key, (bucket.all_gather_class(unit), bucket.reduce_class(unit)))
+        return kept[1]
 
     def all_gather_bucket(self, state):
         return self._bucket_classes(state)[0]
@@ -144,15 +152,13 @@ class RootContext:
     def finish_pending(self) -> None:
         """Wait for every reduce-scatter in flight and accumulate its result."""
         pending, self.pending = self.pending, []
-        for p in pending:
-            p.finish()
+        finish_all(pending)
 
     def start_step(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The root's pre-forward: finish the last step's reductions and gather again what went
         stale (the step protocol), free unused gradient shards, and forget a forward without
         backward."""
         self.step.start_step(self.states)
-        self._classes.clear()  # settings may have changed between steps
         self.backward_checked = False
         for state in self.states:
             if self.forward_without_backward:

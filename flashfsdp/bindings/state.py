@@ -28,6 +28,9 @@ up on at the end of the root's forward.
 
 from __future__ import annotations
 
+import operator
+from itertools import chain
+
 import torch
 import torch.nn as nn
 
@@ -45,6 +48,10 @@ from .compile_boundary import run_eagerly
 from .autograd import register_pre_backward_hooks
 from .root import RootContext, init_root
 from .mixed_precision import MixedPrecisionPolicy
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_SHARDED_PARAMS = operator.attrgetter("sharded_params")
 
 
 class FSDPState:
@@ -107,6 +114,7 @@ class FSDPState:
         self._hooked_leaves: dict = {}
         self._pending_forward: set[int] = set()  # modules of a grouped unit still to run forward
         self._tracked_requires_grad: tuple | None = None
+        self._sharded_flags: tuple | None = None  # the sharded parameters' requires_grad, last synced
         # The registrations still hold the original full parameters: install the pieces.
         self.holds_unsharded = True
         self._swap(False)
@@ -243,18 +251,31 @@ class FSDPState:
         elision.end_backward(self)
 
     def _has_frozen_params(self) -> bool:
-        return any(not p.requires_grad for g in self.unit.groups for p in g.sharded_params)
+        """Whether a parameter of the unit is frozen (as of the last :meth:`_sync_requires_grad`)."""
+        if self._sharded_flags is None:
+            return any(not p.requires_grad for g in self.unit.groups for p in g.sharded_params)
+        return not all(self._sharded_flags)
 
     def _sync_requires_grad(self) -> None:
-        """Follow ``requires_grad_`` calls made on the sharded parameters since the last forward."""
-        for group in self.unit.groups:
+        """Follow ``requires_grad_`` calls made on the sharded parameters since the last forward.
+        The flags are read in one pass (in C) and compared with the last forward's: the unsharded
+        parameters and the gate are visited only when one changed (or the unit was converted, or
+        it has all-gather extensions, whose unsharded parameters may be new ones)."""
+        groups = self.unit.groups
+        sharded = tuple(map(_REQUIRES_GRAD, chain.from_iterable(map(_SHARDED_PARAMS, groups))))
+        if (sharded == self._sharded_flags and self._tracked_requires_grad is not None
+                and not self.unit.extensions):
+            return
+        for group in groups:
             group.sync_requires_grad()
-        flags = tuple(p.requires_grad for g in self.unit.groups for p in g.unsharded_params)
+        flags = tuple(p.requires_grad for g in groups for p in g.unsharded_params)
         if self.unit.extensions:  # fsdp_post_all_gather built new unsharded parameters: watch those
             flags += tuple(id(e.unsharded) for e in self.unit.extensions)
         if flags != self._tracked_requires_grad:
-            if self.gate.track_params([p for g in self.unit.groups for p in g.unsharded_params]):
-                self._tracked_requires_grad = flags
+            if not self.gate.track_params([p for g in groups for p in g.unsharded_params]):
+                return  # (inside a functorch transform: again at the next forward)
+            self._tracked_requires_grad = flags
+        self._sharded_flags = sharded
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:
@@ -289,7 +310,7 @@ class FSDPState:
             args, kwargs = ctx.start_step(args, kwargs)
         adopt_replaced_params(self)
         check_materialised(self)
-        self._check_input_devices(args, kwargs)
+        inputs_need_grad = self._check_input_devices(args, kwargs)
         # A grouped unit stays unsharded until all its modules ran, within one root forward (whose
         # end gives up on the ones that did not); a module of it called on its own is a forward of
         # its own.
@@ -308,7 +329,7 @@ class FSDPState:
             # whose parameters all train reshards when they all have their gradients, before the
             # previous unit's backward starts (and prefetches), as FSDP2 does. See autograd.py.
             self.gate.wait_for_inputs(grad_tensors((args, kwargs)))
-        elision.begin_forward(self)
+        elision.begin_forward(self, inputs_need_grad)
         self._mark_compute_start()
         return args, kwargs
 
@@ -359,14 +380,19 @@ class FSDPState:
             output = cast_floating(output, self.mp_policy.output_dtype)
         return output
 
-    def _check_input_devices(self, args: tuple, kwargs: dict) -> None:
+    def _check_input_devices(self, args: tuple, kwargs: dict) -> bool:
+        """Raises ValueError for a forward input on another device than the unit's (a CPU scalar
+        aside); returns whether any input requires grad."""
         device = self.unit.device
+        needs_grad = False
         for t in tensors_in((args, kwargs)):
+            needs_grad = needs_grad or t.requires_grad
             if t.device != device and not (t.device.type == "cpu" and t.dim() == 0):
                 raise ValueError(
                     f"fully_shard module '{self.unit.name}' got a forward input on {t.device} but its "
                     f"parameters are on {device}: move the inputs to {device} first"
                 )
+        return needs_grad
 
     # ------------------------------------------------------------------ backward hooks
     def _queue_final_callback(self) -> None:

@@ -3,6 +3,7 @@
 - :func:`flatten` - many tensors -> one flat buffer (copy-in, gradient packing for reduce-scatter)
 - :func:`unflatten` - one flat buffer -> many tensors (write-back, copy-out)
 - :func:`accumulate_grad_shard` - reduced gradient shard -> master gradient, with norm and flag
+  (:func:`accumulate_grad_shards`: several pairs at once, a bucket's)
 - :func:`quantize_int8` / :func:`dequantize_int8` - block-wise int8 all-gather payloads (ZeRO++ qwZ)
 - :class:`FlattenPlan` / :class:`UnflattenPlan` - ``flatten`` / ``unflatten`` over a fixed list of
   tensors called again and again (a unit's copy-out): validation and segment table kept from the
@@ -17,8 +18,9 @@ This package imports nothing from ``flashfsdp.runtime`` or ``flashfsdp.bindings`
 
 # dispatch imports the op modules (flashfsdp.kernels.flatten, ...) before the names below rebind
 # the package attributes to the functions; importing an op module again later does not undo that.
-from flashfsdp.kernels.dispatch import accumulate_grad_shard, dequantize_int8, flatten, quantize_int8, unflatten
+from flashfsdp.kernels.dispatch import (accumulate_grad_shard, accumulate_grad_shards, dequantize_int8, flatten,
+                                       quantize_int8, unflatten)
 from flashfsdp.kernels.plans import FlattenPlan, UnflattenPlan
 
-__all__ = ["flatten", "unflatten", "accumulate_grad_shard", "quantize_int8", "dequantize_int8",
+__all__ = ["flatten", "unflatten", "accumulate_grad_shard", "accumulate_grad_shards", "quantize_int8", "dequantize_int8",
            "FlattenPlan", "UnflattenPlan"]

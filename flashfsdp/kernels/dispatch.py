@@ -287,6 +287,39 @@ def accumulate_grad_shard(
     )
 
 
+def accumulate_grad_shards(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    *,
+    scale: float = 1.0,
+    accumulate: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`accumulate_grad_shard` of every pair ``(srcs[i], dsts[i])`` with one ``scale`` and
+    ``accumulate``: the reductions of a bucket of small units finished at once. Same values in
+    ``dsts`` and the same returns per pair (``(norm_sq, nonfinite)``) as the single op; the
+    reference makes one multi-tensor op per step for fp32 shards instead of several ops per shard,
+    the Triton path launches the single kernel per pair.
+
+    Args:
+        srcs, dsts: pairs as :func:`accumulate_grad_shard`'s ``src`` and ``dst``, on one device.
+        scale, accumulate: as :func:`accumulate_grad_shard`'s, for every pair.
+
+    Returns:
+        ``[(norm_sq, nonfinite), ...]``, one per pair, as :func:`accumulate_grad_shard` returns.
+
+    Raises:
+        TypeError, ValueError: as :func:`accumulate_grad_shard`, for the first bad pair; a
+            ValueError if ``srcs`` and ``dsts`` differ in length.
+    """
+    if len(srcs) != len(dsts):
+        raise ValueError(f"accumulate_grad_shards: {len(srcs)} srcs but {len(dsts)} dsts")
+    if not dsts:
+        return []
+    if _implementation("accumulate_grad_shard", dsts[0], srcs[:1]) is reference.accumulate_grad_shard:
+        return reference.accumulate_grad_shards(srcs, dsts, scale=scale, accumulate=accumulate)
+    return [accumulate_grad_shard(s, d, scale=scale, accumulate=accumulate) for s, d in zip(srcs, dsts)]
+
+
 def quantize_int8(src: torch.Tensor, packed: torch.Tensor, *, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Quantise ``src`` block-wise to int8 with one fp32 scale per block, into ``packed``; returns it.
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from flashfsdp._torch_private import foreach_copy_
+from flashfsdp._torch_private import foreach_add_, foreach_copy_, foreach_mul, foreach_norm, foreach_zero_
 from flashfsdp.kernels.quantize import (
     BLOCK_SIZE,
     QMAX,
@@ -26,7 +26,6 @@ from flashfsdp.kernels.quantize import (
     validate_dequantize,
     validate_quantize,
 )
-from flashfsdp.kernels.segments import gap_segments
 from flashfsdp.kernels.validation import (
     validate_accumulate_grad_shard,
     validate_flatten,
@@ -60,17 +59,34 @@ def flatten(
     Returns ``out``.
     """
     offsets, items, scale = validate_flatten(tensors, offsets, out, scale, numels)
-    entries = [(t, o, n) for t, o, n in zip(tensors, offsets, items.sizes) if t is not None and n > 0]
-    gap_starts, gap_lengths = gap_segments([o for _, o, _ in entries], [n for _, _, n in entries], out.numel())
-    for start, length in zip(gap_starts.tolist(), gap_lengths.tolist()):
-        out[start : start + length].zero_()
-    views = [out[offset : offset + size] for _, offset, size in entries]
+    # The ranges are disjoint (validated): sorted, with the gaps between them, they cut ``out``
+    # into consecutive parts, whose views one split makes (a Python slice per tensor costs more
+    # than the copy of a small one); the gaps are zeroed, the ranges filled, each by one call.
+    entries = sorted((o, n, i) for i, (t, o, n) in enumerate(zip(tensors, offsets, items.sizes))
+                     if t is not None and n > 0)
+    sizes, filled, end = [], [], 0
+    for o, n, i in entries:
+        if o > end:
+            sizes.append(o - end)
+            filled.append(None)
+        sizes.append(n)
+        filled.append(i)
+        end = o + n
+    if out.numel() > end:
+        sizes.append(out.numel() - end)
+        filled.append(None)
+    parts = out.split_with_sizes(sizes) if sizes else ()
+    gaps = [part for part, i in zip(parts, filled) if i is None]
+    if gaps:
+        foreach_zero_(gaps)
+    views = [part for part, i in zip(parts, filled) if i is not None]
+    sources = [tensors[i] for _, _, i in entries]
     if entries and scale == 1.0:
         # x.float().to(out.dtype) == x.to(out.dtype) for these dtypes: copy_ casts (RNE) in one pass,
         # and the foreach form saves a Python round trip per tensor.
-        foreach_copy_(views, [t if t.dim() == 1 else t.reshape(-1) for t, _, _ in entries])
+        foreach_copy_(views, [t if t.dim() == 1 else t.reshape(-1) for t in sources])
     else:
-        for view, (tensor, _, _) in zip(views, entries):
+        for view, tensor in zip(views, sources):
             view.copy_(_scaled_fp32(tensor, scale, _compute_dtype(tensor.dtype, out.dtype)))
     return out
 
@@ -125,6 +141,46 @@ def accumulate_grad_shard(
     else:
         nonfinite = ~torch.isfinite(stored).all()
     return norm_sq, nonfinite
+
+
+@torch.no_grad()
+def accumulate_grad_shards(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    *,
+    scale: float = 1.0,
+    accumulate: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Reference of :func:`flashfsdp.kernels.accumulate_grad_shards`: :func:`accumulate_grad_shard`
+    of every pair, the same values in ``dsts``. Where every pair is fp32 and contiguous (the CPU
+    production path of a bucket of small units) the update is one multi-tensor op per step — the
+    same element-wise operations, so the same bits — and the squared norms come from one
+    ``torch._foreach_norm`` (squared: relative error ~1e-6, as the single op's); the inf/nan scan
+    runs only for a shard whose norm is not finite."""
+    if len(srcs) != len(dsts):
+        raise ValueError(f"accumulate_grad_shards: {len(srcs)} srcs but {len(dsts)} dsts")
+    checked = [validate_accumulate_grad_shard(s, d, scale) for s, d in zip(srcs, dsts)]
+    scale = checked[0] if checked else scale
+    fast = all(s.dtype == torch.float32 and d.dtype == torch.float32 and d.is_contiguous() and s.device == d.device
+               for s, d in zip(srcs, dsts))
+    if not fast or not dsts:
+        return [accumulate_grad_shard(s, d, scale=scale, accumulate=accumulate) for s, d in zip(srcs, dsts)]
+    stored = [d.view(-1) for d in dsts]
+    updates = [s.reshape(-1) for s in srcs]
+    if scale != 1.0:
+        updates = foreach_mul(updates, scale)
+    if accumulate:
+        foreach_add_(stored, updates)
+    else:
+        foreach_copy_(stored, updates)
+    norms = foreach_norm(stored)
+    squares = foreach_mul(norms, norms)
+    finite = torch.isfinite(torch.stack(squares))
+    flags = torch.unbind(~finite)
+    if not bool(finite.all()):
+        flags = tuple(~torch.isfinite(t).all() if not ok else flag
+                      for t, ok, flag in zip(stored, finite.tolist(), flags))
+    return list(zip(squares, flags))
 
 
 def _quantize_rows(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

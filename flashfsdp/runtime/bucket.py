@@ -55,9 +55,8 @@ MAX_KEPT = 256
 
 
 def bucket_name(units: Sequence[ShardedUnit]) -> str:
-    """The name of a bucket in traces and the flight recorder: its first and last unit's names
-    and the number of units (``"a .. c (3 units)"``)."""
-    return f"{units[0].name} .. {units[-1].name} ({len(units)} units)" if len(units) > 1 else units[0].name
+    """The name of a bucket in traces and the flight recorder (``trace.bucket_name`` of its units')."""
+    return trace.bucket_name([u.name for u in units])
 
 
 def _comm_id(comm) -> Hashable:

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from flashfsdp.kernels import accumulate_grad_shard, flatten, unflatten
+from flashfsdp.kernels import accumulate_grad_shard, accumulate_grad_shards, flatten, unflatten
 
 from . import loss_scale, trace
 from .communicator import Work
@@ -218,11 +219,25 @@ class PendingReduce:
     def finish(self) -> None:
         """Wait for the reduce-scatter (and the all-reduce across replicas under HSDP) and
         accumulate into ``sharded_grad`` (fused norm and flag)."""
+        ready = self._ready()
+        if ready is None:
+            return
+        output, grad, scale, unscaled_by = ready
+        streams = self.unit.streams
+        with streams.use(streams.reduce_scatter), trace.span("accumulate", self.unit.name, "reduce_scatter",
+                                                             streams.reduce_scatter):
+            sq_norm, nonfinite = accumulate_grad_shard(output, grad, scale=scale, accumulate=self.accumulate)
+        self._done(grad, sq_norm, nonfinite, unscaled_by)
+
+    def _ready(self):
+        """Everything of :meth:`finish` before the accumulation: ``(reduced shard, gradient shard,
+        the accumulation's scale, the loss scale it divides by)``, or None where nothing is to be
+        accumulated now (HSDP without the all-reduce: the shard went into the partial sum)."""
         streams, name = self.unit.streams, self.unit.name
         with streams.use(streams.reduce_scatter):
             if not self.start_all_reduce():
                 self.keepalive.clear()
-                return
+                return None
             self._wait_reduce_scatter()
             grad = self.group.sharded_grad_buffer()
             if self.unit.all_reduce_hook is not None:
@@ -235,16 +250,45 @@ class PendingReduce:
                 # is accumulated; the optimizer then steps on the CPU.
                 with trace.span("copy_to_host", name, "reduce_scatter", streams.reduce_scatter):
                     output = output.to(grad.device)
-            with trace.span("accumulate", name, "reduce_scatter", streams.reduce_scatter):
-                # With an armed loss scaler the same pass also unscales (see loss_scale.py).
-                scale, unscaled_by = loss_scale.kernel_scale(self.group, self.post_scale, self.accumulate)
-                sq_norm, nonfinite = accumulate_grad_shard(output, grad, scale=scale, accumulate=self.accumulate)
+        # With an armed loss scaler the same pass also unscales (see loss_scale.py).
+        scale, unscaled_by = loss_scale.kernel_scale(self.group, self.post_scale, self.accumulate)
+        return output, grad, scale, unscaled_by
+
+    def _done(self, grad: torch.Tensor, sq_norm: torch.Tensor, nonfinite: torch.Tensor, unscaled_by) -> None:
+        """Everything of :meth:`finish` after the accumulation: the statistics, the ``.grad`` fields
+        and the post-accumulate-grad hooks."""
         self.group.grad_stats = (sq_norm, nonfinite, grad._version)
         loss_scale.record(self.group, unscaled_by)
         mask = self.group.grad_mask(self.local, self.had, self.got_anywhere, self.unit.reduce_unused_params)
         self.group.expose_grads(mask)
         self.group.run_post_accumulate_grad_hooks()
         self.keepalive.clear()
+
+
+def finish_all(pending: Sequence[PendingReduce]) -> None:
+    """:meth:`PendingReduce.finish` of each (one reduction's: every group at most once), with the
+    accumulations of those that take the same scale and mode made by one
+    :func:`accumulate_grad_shards` (a bucket's; one span ``accumulate`` named after its units)."""
+    if len(pending) <= 1:
+        for p in pending:
+            p.finish()
+        return
+    name = trace.bucket_name(list(dict.fromkeys(p.unit.name for p in pending)))
+    ready = [(p, p._ready()) for p in pending]
+    batches: dict[tuple, list] = {}
+    for p, r in ready:
+        if r is not None:
+            batches.setdefault((r[2], p.accumulate, r[1].device), []).append((p, r))
+    streams = pending[0].unit.streams
+    stats = {}
+    with streams.use(streams.reduce_scatter), trace.span("accumulate", name, "reduce_scatter", streams.reduce_scatter):
+        for (scale, accumulate, _), items in batches.items():
+            results = accumulate_grad_shards([r[0] for _, r in items], [r[1] for _, r in items], scale=scale,
+                                             accumulate=accumulate)
+            stats.update(zip((id(p) for p, _ in items), results))
+    for p, r in ready:
+        if r is not None:
+            p._done(r[1], *stats[id(p)], r[3])
 
 
 @dataclass

@@ -309,6 +309,8 @@ class StepProtocol:
 
     def _prefetch(self, targets: Sequence[Key], followers: Callable[[Key], Sequence[Key]] | None = None) -> None:
         candidates = [t for t in targets if self.x.shard_state(t) in (ShardState.SHARDED, ShardState.SECONDARY)]
+        if not candidates:
+            return
         for target in self.policy.admit(candidates, self._inflight()):
             self._unshard(target, followers(target) if followers is not None else None)
             self.prefetched.add(target)

@@ -88,6 +88,13 @@ def labelled(kind: str, unit_name: Callable[[object], str] = _unit_name_of) -> C
     return decorate
 
 
+def bucket_name(names: Sequence[str]) -> str:
+    """The name under which the collectives several units share (a bucket, ``bucket.py``) are
+    traced and recorded: the first and last unit's names and their number (``"a .. c (3 units)"``);
+    one unit's own name."""
+    return f"{names[0]} .. {names[-1]} ({len(names)} units)" if len(names) > 1 else names[0]
+
+
 # ------------------------------------------------------------------------------ the active profile
 def active() -> Profile | None:
     """The profile being recorded, or None (the runtime's hot paths check this and do nothing)."""

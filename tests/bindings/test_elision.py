@@ -253,3 +253,36 @@ def test_a_registered_forward_method_is_watched_and_leaves_no_hooks():
     assert elided == (16 + 4) * 4 and none == 0
     for got, ref in zip(grads, want):
         assert torch.equal(got, ref)
+
+
+def test_a_unit_found_reading_its_parameters_is_not_watched_again_for_a_while():
+    """A unit whose watched forward saved a parameter all-gathers for its backward without a watch
+    for the next RECHECK_AFTER forwards whose inputs need gradients as that one's did (the watch's
+    saved-tensor hooks cost nothing there), then is watched again; a unit that elides is watched
+    at every forward; inputs that start needing gradients are watched at once."""
+    from flashfsdp.bindings.elision import RECHECK_AFTER  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    for layer in (model[0], model[2]):
+        flashfsdp.fully_shard(layer, reshard_after_forward=True)
+    flashfsdp.fully_shard(model)
+    first, second = model[0]._flashfsdp_state, model[2]._flashfsdp_state
+
+    def forward(x) -> tuple[bool, bool]:
+        """One step; whether each layer's forward ran under a watch."""
+        out = model(x)
+        watched = (first.elision.needs.watched, second.elision.needs.watched)
+        out.sum().backward()
+        return watched
+
+    seen = [forward(torch.randn(2, 4)) for _ in range(RECHECK_AFTER + 2)]
+    # the first layer's input needs no gradient (its backward reads no weight, it elides): watched
+    # at every forward; the second's does (its backward reads its weight): watched, then not for
+    # RECHECK_AFTER forwards, then again
+    assert [w for w, _ in seen] == [True] * (RECHECK_AFTER + 2)
+    assert [w for _, w in seen] == [True] + [False] * RECHECK_AFTER + [True]
+    # an input that needs a gradient: the first layer is watched (and found reading its weight)
+    assert forward(torch.randn(2, 4, requires_grad=True)) == (True, False)
+    assert forward(torch.randn(2, 4, requires_grad=True)) == (False, False)
+    assert forward(torch.randn(2, 4)) == (True, False)  # no longer: watched again at once

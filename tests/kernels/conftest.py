@@ -35,6 +35,7 @@ def _ops(path: str):
         flatten=module.flatten,
         unflatten=module.unflatten,
         accumulate_grad_shard=module.accumulate_grad_shard,
+        accumulate_grad_shards=module.accumulate_grad_shards,
     )
 
 

@@ -119,3 +119,35 @@ def test_past_2_to_31_elements(cuda_triton_ops):
     expected = (numel - 5) * 0.25 + 5 * 6.25
     torch.testing.assert_close(norm_sq.double().cpu(), torch.tensor(expected, dtype=torch.float64), rtol=NORM_RTOL, atol=0)
     assert not bool(nonfinite)
+
+
+@pytest.mark.parametrize("accumulate", [True, False], ids=["add", "assign"])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3], ids=["scale1", "scale0.5", "scale1/3"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)], ids=dtype_id)
+def test_several_pairs_at_once_equal_the_single_op(ops, device, dtypes, scale, accumulate):
+    """accumulate_grad_shards: every pair's dst bit for bit as the single op leaves it, its norm
+    within the single op's tolerance and its flag exact (an inf in one shard, a nan in another);
+    odd sizes and an empty shard among them."""
+    sizes = [1, 0, 37, 3 * BLOCK + 5, 64]
+    srcs = [random_tensor((n,), dtypes[0], device, seed=10 + i) for i, n in enumerate(sizes)]
+    dsts = [random_tensor((n,), dtypes[1], device, seed=20 + i) for i, n in enumerate(sizes)]
+    srcs[2][5], srcs[4][0] = float("inf"), float("nan")
+    want = [d.clone() for d in dsts]
+    single = [ops.accumulate_grad_shard(s, d, scale=scale, accumulate=accumulate) for s, d in zip(srcs, want)]
+    got = ops.accumulate_grad_shards(srcs, dsts, scale=scale, accumulate=accumulate)
+    assert len(got) == len(sizes)
+    for d, w, (norm_sq, flag), (want_sq, want_flag) in zip(dsts, want, got, single):
+        assert_same(d, w)
+        assert norm_sq.dim() == 0 and flag.dtype == torch.bool and flag.dim() == 0
+        assert bool(flag) == bool(want_flag)
+        if not bool(want_flag):
+            torch.testing.assert_close(norm_sq.double().cpu(), want_sq.double().cpu(), rtol=NORM_RTOL, atol=0)
+
+
+def test_several_pairs_refuse_what_the_single_op_refuses(ops, device):
+    src, dst = random_tensor((4,), torch.float32, device, seed=1), random_tensor((5,), torch.float32, device, seed=2)
+    with pytest.raises(ValueError, match="accumulate_grad_shard: src has 4 elements"):
+        ops.accumulate_grad_shards([src], [dst])
+    with pytest.raises(ValueError, match="1 srcs but 0 dsts"):
+        ops.accumulate_grad_shards([src], [])
+    assert ops.accumulate_grad_shards([], []) == []

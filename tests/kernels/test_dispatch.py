@@ -31,15 +31,16 @@ def run_python(code, **env):
 def test_public_names_are_the_dispatching_functions():
     import flashfsdp.kernels.flatten  # noqa: F401 - importing an op module must not shadow the op
     import flashfsdp.kernels.quantize  # noqa: F401
-    from flashfsdp.kernels import accumulate_grad_shard, dequantize_int8, flatten, quantize_int8, unflatten
+    from flashfsdp.kernels import (accumulate_grad_shard, accumulate_grad_shards, dequantize_int8, flatten,
+                                   quantize_int8, unflatten)
 
-    assert kernels.__all__ == ["flatten", "unflatten", "accumulate_grad_shard", "quantize_int8", "dequantize_int8",
-                               "FlattenPlan", "UnflattenPlan"]
-    assert (flatten, unflatten, accumulate_grad_shard, quantize_int8, dequantize_int8) == (
-        dispatch.flatten, dispatch.unflatten, dispatch.accumulate_grad_shard, dispatch.quantize_int8,
-        dispatch.dequantize_int8)
-    for function in (flatten, unflatten, accumulate_grad_shard, quantize_int8, dequantize_int8,
-                     kernels.FlattenPlan.run, kernels.UnflattenPlan.run):
+    assert kernels.__all__ == ["flatten", "unflatten", "accumulate_grad_shard", "accumulate_grad_shards",
+                               "quantize_int8", "dequantize_int8", "FlattenPlan", "UnflattenPlan"]
+    assert (flatten, unflatten, accumulate_grad_shard, accumulate_grad_shards, quantize_int8, dequantize_int8) == (
+        dispatch.flatten, dispatch.unflatten, dispatch.accumulate_grad_shard, dispatch.accumulate_grad_shards,
+        dispatch.quantize_int8, dispatch.dequantize_int8)
+    for function in (flatten, unflatten, accumulate_grad_shard, accumulate_grad_shards, quantize_int8,
+                     dequantize_int8, kernels.FlattenPlan.run, kernels.UnflattenPlan.run):
         assert "Raises:" in function.__doc__ and "Args:" in function.__doc__
 
 
