@@ -16,14 +16,17 @@ torch op and ``wait()``; at most about ``sys.getswitchinterval()`` (5 ms) while 
 
 [Note: gloo reduce-scatter]
 torch's gloo backend has no reduce-scatter of its own: ``ProcessGroupGloo::_reduce_scatter_base``
-(torch 2.x, ``reduce_scatter_tensor_coalesced``) clones the input, all-reduces the clone
-asynchronously and returns a ``LambdaWork`` whose ``wait()`` waits for that all-reduce and copies
-this rank's chunk into the output. That LambdaWork has no future and never reports completion
-(``is_completed()`` stays False), so its completion could not be timed. On gloo this module
-therefore issues the very same steps itself (:class:`_AllReduceChunk`): the same clone, the same
-asynchronous all-reduce (whose gloo work has a future), the same copy at ``wait()``. The cost is
-unchanged; the completion becomes measurable: it is the all-reduce's, and the chunk copy that
-follows at ``wait()`` runs on the waiting thread as host work (``S`` elements), not communication.
+(torch 2.x, ``reduce_scatter_tensor_coalesced``) clones the input, all-reduces the clone and copies
+this rank's chunk out: every rank moves the whole input twice (the all-reduce's reduce-scatter and
+all-gather phases) and copies it once more, and the handle it returns never reports completion. On
+gloo this module reduce-scatters with one all-to-all instead (:class:`_AllToAllSum`): rank r
+receives chunk r of every rank's input — (W - 1)/W of the input's bytes, half of an all-reduce's,
+no clone — and ``wait()`` sums the W chunks in rank order into the output (``torch.sum`` over them:
+fp32 accumulation for a 16-bit dtype, rounded once). At W = 2 every element is the same one
+addition as the all-reduce's, so the results are bit for bit those of torch's reduce-scatter; at
+W > 2 the sum's order may differ from the all-reduce's ring (within its rounding). The all-to-all's
+gloo work has a future, so its completion is timed; the sum that follows at ``wait()`` runs on the
+waiting thread as host work (``W·S`` elements read), not communication.
 
 [Note: flight recorder]
 Every collective issued here takes an entry of the flight recorder (``flight.py``: kind, group,
@@ -145,11 +148,14 @@ class ProcessGroupCommunicator(Communicator):
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)
         check_collective_sizes("reduce_scatter_tensor", inp, out, self.world_size)
-        if self.backend == "gloo":  # see the Note: gloo reduce-scatter
+        if self.backend == "gloo" and op != "max":  # see the Note: gloo reduce-scatter
+            received = torch.empty_like(inp)
+            work, entry = self._issue("reduce_scatter", _nbytes(inp), dist.all_to_all_single, received, inp)
+            return _AllToAllSum(work, received, out, self.world_size, self.world_size if op == "avg" else 1, entry)
+        if self.backend == "gloo":  # max: torch's own (an all-reduce of a clone), see the Note
             buffer = inp.clone()
-            reduce_op = _OPS["sum"] if op == "avg" else _OPS[op]
-            work, entry = self._issue("reduce_scatter", _nbytes(inp), dist.all_reduce, buffer, op=reduce_op)
-            return _AllReduceChunk(work, buffer, out, self.rank, self.world_size if op == "avg" else 1, entry)
+            work, entry = self._issue("reduce_scatter", _nbytes(inp), dist.all_reduce, buffer, op=_OPS[op])
+            return _AllReduceChunk(work, buffer, out, self.rank, 1, entry)
         if op == "avg" and not self._native_avg:
             work, entry = self._issue("reduce_scatter", _nbytes(inp), reduce_scatter_single, out, inp, op=_OPS["sum"])
             return _DivideAfter(work, out, self.world_size, entry)
@@ -188,6 +194,30 @@ class _AllReduceChunk(_TorchWork):
             if self._divisor != 1:
                 self._out.div_(self._divisor)
             self._buffer = self._out = None  # a profile may keep this handle: let the tensors go
+
+
+class _AllToAllSum(_TorchWork):
+    """gloo's reduce-scatter as an all-to-all in flight (see the Note: gloo reduce-scatter):
+    ``wait()`` sums the W received chunks in rank order into the output, divided by ``divisor``
+    (W for AVG, emulated with SUM) unless it is 1. After ``wait()`` it holds no tensor."""
+
+    def __init__(self, work: dist.Work, received: torch.Tensor, out: torch.Tensor, world_size: int, divisor: int,
+                 entry=None):
+        super().__init__(work, entry)
+        self._received, self._out, self._world_size, self._divisor = received, out, world_size, divisor
+
+    def wait(self) -> None:
+        if self._work is not None:
+            super().wait()
+            chunks = self._received.view(self._world_size, -1)
+            out = self._out.view(-1)
+            if self._world_size == 2:  # one addition, as the all-reduce makes it
+                torch.add(chunks[0], chunks[1], out=out)
+            else:
+                torch.sum(chunks, dim=0, out=out)
+            if self._divisor != 1:
+                self._out.div_(self._divisor)
+            self._received = self._out = None  # a profile may keep this handle: let the tensors go
 
 
 class _DivideAfter(_TorchWork):

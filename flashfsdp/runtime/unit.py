@@ -4,8 +4,8 @@ One unit is the parameters of one ``fully_shard`` call, grouped into FlatParams 
 requires_grad). Its step on rank r (DESIGN.md §2):
 
 1. unshard [all-gather stream]: allocate each group's gathered and unsharded buffers, copy-in
-   (cast the shard to ``param_dtype`` into this rank's slice of the gathered buffer), all-gather in
-   place. Returns an :class:`AllGatherResult` carrying the work handles; ``wait()`` makes the
+   (cast the shard to ``param_dtype`` into this rank's slice of the gathered buffer; where there
+   is nothing to cast the shard itself is the all-gather's input), all-gather. Returns an :class:`AllGatherResult` carrying the work handles; ``wait()`` makes the
    compute stream wait (GPU) or blocks (CPU), then copies out into the unsharded parameters.
 2. reshard: free the unsharded storage, the all-gather stream ordered after the compute stream
    first (see ``streams`` for why nothing else is needed on free).
@@ -303,6 +303,11 @@ class ShardedUnit:
                     elif self.all_gather_dtype is not None and group.param_dtype.is_floating_point:
                         quantized.append(QuantizedAllGather(group, comm))
                         pairs.append((quantized[-1].packed, quantized[-1].local))
+                    elif group.param_dtype == group.dtype and not group.offload:
+                        # nothing to cast: the shard itself is the all-gather's input (the
+                        # collective copies it into its slot), as FSDP2's sharded parameters are
+                        group.note_copy_in()
+                        pairs.append((group.gathered, group.sharded_flat))
                     else:
                         group.copy_in()
                         pairs.append((group.gathered, group.gathered_slice()))

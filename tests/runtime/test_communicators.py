@@ -216,3 +216,39 @@ def test_at_exit_the_communicators_of_destroyed_groups_go_without_waiting(no_liv
         nccl._release_at_exit()
         assert cupy_busy.calls == ["abort"] and cupy_idle.calls == ["destroy"]
         assert cupy_kept.calls == [] and list(nccl._live) == [kept]  # its group is still there
+
+
+def _reduce_scatters(rank, world_size):
+    """The gloo reduce-scatter (an all-to-all and a local sum) against torch's own, on random
+    values, fp32 and bf16; and the max (torch's all-reduce path); the inputs are left unchanged."""
+    comm = ProcessGroupCommunicator()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        inp = torch.randn(world_size * 1000, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        before = inp.clone()
+        mine, torchs = torch.empty(1000, dtype=dtype), torch.empty(1000, dtype=dtype)
+        comm.reduce_scatter_tensor(mine, inp, op="sum").wait()
+        torch.distributed.reduce_scatter_tensor(torchs, inp.clone())
+        out[str(dtype)] = (mine, torchs, torch.equal(inp, before))
+    peak, top = torch.empty(1000), torch.empty(1000)
+    values = torch.randn(world_size * 1000, generator=torch.Generator().manual_seed(10 + rank))
+    comm.reduce_scatter_tensor(peak, values, op="max").wait()
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    top.copy_(values[rank * 1000 : (rank + 1) * 1000])
+    out["max"] = (peak, top)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_reduce_scatter_equals_torchs(world_size):
+    """Bit for bit at W = 2 (one addition per element either way); at W = 3 within the rounding of
+    another summation order (fp32), one bf16 step (bf16: summed in fp32, rounded once)."""
+    for r in run_distributed(_reduce_scatters, world_size):
+        for dtype, (mine, torchs, untouched) in ((k, v) for k, v in r.items() if k != "max"):
+            assert untouched, dtype
+            if world_size == 2:
+                assert torch.equal(mine, torchs), dtype
+            else:
+                tol = 1e-6 if dtype == "torch.float32" else 1e-2
+                torch.testing.assert_close(mine.float(), torchs.float(), rtol=tol, atol=tol)
+        assert torch.equal(*r["max"])
