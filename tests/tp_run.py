@@ -1,8 +1,8 @@
 """A 2x2 (dp, tp) run of the project's Llama with its TP plan on CPU gloo ranks, counting the bytes
 of the collectives each rank dispatches in its second step: DTensor's functional collectives are
 the TP ones ("tp"), c10d's the FSDP ones ("fsdp"). On gloo the runtime runs a reduce-scatter as an
-all-reduce of its input (``runtime/process_group.py``), so FSDP's reduce-scatters are counted as
-("fsdp", "all_reduce") of their input buffers."""
+all-to-all of its input (``runtime/process_group.py``), counted as ("fsdp", "reduce_scatter") of its
+input buffer."""
 
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ class Collectives(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         kind = {"_c10d_functional": "tp", "c10d": "fsdp"}.get(func.namespace)
         name = func._opname
-        if kind is not None and ("gather" in name or "scatter" in name or "reduce" in name):
+        if kind is not None and ("gather" in name or "scatter" in name or "reduce" in name or "alltoall" in name):
             gathered = "gather" in name
-            tensor = out if gathered and kind == "tp" else args[0]
+            tensor = out if gathered and kind == "tp" else args[1] if "alltoall" in name else args[0]
             tensor = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
-            op = "all_gather" if gathered else "reduce_scatter" if "scatter" in name else "all_reduce"
+            op = ("all_gather" if gathered else "reduce_scatter" if "scatter" in name or "alltoall" in name
+                  else "all_reduce")
             key = (kind, op)
             self.bytes[key] = self.bytes.get(key, 0) + tensor.numel() * tensor.element_size()
         return out

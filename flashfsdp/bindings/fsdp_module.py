@@ -280,7 +280,7 @@ class FSDPModule(TorchFSDPModule):
         become ready. Values are those of unit-by-unit collectives (each output element is the
         same sum), every unit still unshards, reshards and reduces as its own settings say, and
         memory grows by at most ``nbytes`` (parameters gathered a little ahead of their use,
-        gradients held until their bucket is packed). Default 8 MiB, or the environment variable
+        gradients held until their bucket is packed). Default 4 MiB, or the environment variable
         ``FLASHFSDP_BUCKET_BYTES`` read when the root's first forward runs; 0: every unit has its
         own collectives, as in FSDP2. Only the root's value counts, for every unit under it. Units
         that cannot share (int8 all-gathers, all-gather extensions, CPU offload, ``Shard(k)``

@@ -20,7 +20,7 @@ policy (``replay.py``):
   reduce-scatter buffers (in ``reduce_dtype``, two reductions' at once: the packed input of W
   segments and the reduced segment, each segment R the shard's S elements and one flag per
   parameter, padded to the alignment, as ``runtime/reduce.py`` packs them). With buckets
-  (``bucket_bytes``, the runtime's default 8 MiB) units that run back to back are gathered
+  (``bucket_bytes``, the runtime's default 4 MiB) units that run back to back are gathered
   together, beside their bucket's gathered buffer, and reduced together, their gradients held
   until the bucket is packed (``replay.py``): a model of small units holds more at once.
   Activations are not counted (they depend on batch, sequence and checkpointing).
@@ -158,7 +158,7 @@ def estimate(model_or_config: nn.Module | LlamaConfig | str, world_size: int, *,
         tp: the tensor-parallel degree (1: none) of a ``Llama``; tokens: tokens of a TP group's
             step, for ``tp_comm`` (None: one sequence of ``max_seq_len``).
         shard_placement_fn: as ``fully_shard``'s (``Shard(k)`` or None per parameter).
-        bucket_bytes: the root's ``set_bucket_bytes`` (default: the runtime's, 8 MiB): the most
+        bucket_bytes: the root's ``set_bucket_bytes`` (default: the runtime's, 4 MiB): the most
             bytes units that share a collective move (``replay.py``); 0: every unit has its own.
 
     Returns:

@@ -78,7 +78,7 @@ def comm_table(est: Estimate) -> str:
 
 def collectives_line(est: Estimate) -> str:
     """How many collectives carry the step's bytes on one rank, and the bucket size: "collectives
-    per step: 4 = 2 all-gathers (8 unit all-gathers), 2 reduce-scatters; buckets of up to 8 MiB"."""
+    per step: 4 = 2 all-gathers (8 unit all-gathers), 2 reduce-scatters; buckets of up to 4 MiB"."""
     c = est.comm
     text = f"collectives per step: {c.collectives} = {_count(c.all_gathers, 'all-gather')}"
     if c.units_gathered != c.all_gathers:

@@ -94,7 +94,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("fwd+bwd, 2 deep, max_inflight 1", depth=2, max_inflight=1),
     Setting("fwd+bwd, 2 deep, max_inflight 2", depth=2, max_inflight=2),
     Setting("fwd+bwd, reshard_after_forward=False", reshard_after_forward=False),
-    Setting("fwd+bwd, 8 MiB buckets (the runtime's default)", bucket_bytes=DEFAULT_BUCKET_BYTES),
+    Setting("fwd+bwd, 4 MiB buckets (the runtime's default)", bucket_bytes=DEFAULT_BUCKET_BYTES),
 )
 
 

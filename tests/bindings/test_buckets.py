@@ -140,7 +140,7 @@ def test_buckets_cut_the_collectives_per_step(runs):
     """Without buckets: an all-gather per unit with parameters in forward, and in backward but for
     the root (kept from its forward) and the units whose backward reads no parameter (each gate:
     its backward reads the saved sigmoid; the first linear: its input needs no gradient); a
-    reduce-scatter per unit. With the default 8 MiB, the whole model is one bucket: from the
+    reduce-scatter per unit. With the default 4 MiB, the whole model is one bucket: from the
     second step (the first has no recorded forward order) two all-gathers (the forward; the
     backward's) and one reduce-scatter."""
     units_with_params = 3 * LAYERS + 1
@@ -246,11 +246,11 @@ def test_memory_grows_by_at_most_the_bucket_bytes():
     """Units gathered together are held together: the most unsharded bytes at once exceed the
     unit-by-unit schedule's by at most the bucket size; after each step nothing stays unsharded."""
     (units,) = run_distributed(_memory, 1, 0)
-    for bucket_bytes in (3000, 8 * 2**20):
+    for bucket_bytes in (3000, 4 * 2**20):
         (r,) = run_distributed(_memory, 1, bucket_bytes)
         assert r["after"] == units["after"] == [0, 0]
         assert units["peak"] <= r["peak"] <= units["peak"] + bucket_bytes, (bucket_bytes, r, units)
-    assert r["peak"] > units["peak"]  # the whole model at once with 8 MiB
+    assert r["peak"] > units["peak"]  # the whole model at once with 4 MiB
 
 
 def test_set_bucket_bytes_refuses_bad_values_and_non_roots(monkeypatch):

@@ -89,7 +89,7 @@ def test_buckets_share_collectives_and_move_the_same_bytes():
     """SMALL's units (root 65,792 bytes, blocks 184,832 unsharded and 185,216 reduce-scattered at
     W = 8): unit by unit, an
     all-gather per unit gathered and a reduce-scatter per unit; buckets of two blocks halve the
-    blocks' collectives; the default 8 MiB holds the whole model: one all-gather for the forward,
+    blocks' collectives; the default 4 MiB holds the whole model: one all-gather for the forward,
     one for the backward's blocks, one reduce-scatter for the blocks and the root (its reduction
     comes last: the blocks' bucket waits for it). The bytes are the same; the peak grows: units
     gathered together are held together, beside the bucket's gathered buffer."""
@@ -98,7 +98,7 @@ def test_buckets_share_collectives_and_move_the_same_bytes():
     assert (block.unsharded_bytes(), block.reduce_scatter_bytes()) == (184_832, 185_216)
     two = estimate(SMALL, 8, bucket_bytes=2 * 185_216)
     default = estimate(SMALL, 8)
-    assert default.bucket_bytes == 8 * 2**20
+    assert default.bucket_bytes == 4 * 2**20
     assert [(e.comm.all_gathers, e.comm.units_gathered, e.comm.reduce_scatters) for e in (alone, two, default)] == [
         (8, 8, 5), (5, 8, 3), (2, 8, 1)]
     fields = ("all_gather_forward", "all_gather_backward", "reduce_scatter", "sent")
@@ -155,7 +155,7 @@ def test_command_line(capsys):
     plural = "" if c.reduce_scatters == 1 else "s"
     assert (f"collectives per step: {c.collectives} = {c.all_gathers} all-gathers ({c.units_gathered} unit "
             f"all-gathers), {c.reduce_scatters} reduce-scatter{plural}, {c.all_reduces} all-reduces; buckets of up "
-            "to 8 MiB") in out
+            "to 4 MiB") in out
     assert c.all_gathers < c.units_gathered
     assert main(["--preset", "tiny", "--world-size", "8", "--bucket-bytes", "0", "--table"]) == 0
     alone = estimate("tiny", 8, bucket_bytes=0).comm

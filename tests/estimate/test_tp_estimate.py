@@ -60,5 +60,5 @@ def test_estimate_matches_a_2x2_dp_tp_run():
         assert seen[("tp", "reduce_scatter")] == est.tp_comm.reduce_scatter
         assert seen.get(("tp", "all_reduce"), 0) == est.tp_comm.all_reduce, seen
         assert seen[("fsdp", "all_gather")] == est.comm.all_gather_forward + est.comm.all_gather_backward, seen
-        # gloo runs a reduce-scatter as an all-reduce of its input (tests/tp_run.py): shards and flags
-        assert seen[("fsdp", "all_reduce")] == est.comm.reduce_scatter, seen
+        # gloo runs a reduce-scatter as an all-to-all of its input (tests/tp_run.py): shards and flags
+        assert seen[("fsdp", "reduce_scatter")] == est.comm.reduce_scatter, seen

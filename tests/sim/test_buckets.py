@@ -56,7 +56,7 @@ def test_the_byte_limit_and_the_default():
     # (the last one is) as two and one; reductions two by two, the root's alone
     assert (two.all_gathers, two.units_gathered, two.reduce_scatters) == (3 + 2, 8, 2 + 1)
     default = sim.simulate(model, W, LINK, bucket_bytes=DEFAULT_BUCKET_BYTES)
-    assert default.all_gathers == 2  # 8 MiB holds every unit of this model
+    assert default.all_gathers == 2  # 4 MiB holds every unit of this model
     big = sim.simulate(sim.llama3_8b(), 64, "ib400", bucket_bytes=DEFAULT_BUCKET_BYTES)
     assert big.all_gathers == big.units_gathered  # units of hundreds of MB never share
 

@@ -16,10 +16,10 @@ def test_bytes_per_link_match_a_2x2_dp_tp_run():
     assert predicted["tp_all_gather"] > 0 and predicted["reduce_scatter"] > 0
     for rank in run_distributed(measure_2x2, 4):
         seen = rank["collectives"]
-        assert set(seen) == {("fsdp", "all_gather"), ("fsdp", "all_reduce"), ("tp", "all_gather"),
+        assert set(seen) == {("fsdp", "all_gather"), ("fsdp", "reduce_scatter"), ("tp", "all_gather"),
                              ("tp", "reduce_scatter"), ("tp", "all_reduce")}, seen
         assert seen[("fsdp", "all_gather")] == predicted["all_gather"]
-        assert seen[("fsdp", "all_reduce")] == predicted["reduce_scatter"]  # gloo: an all-reduce of the input
+        assert seen[("fsdp", "reduce_scatter")] == predicted["reduce_scatter"]  # gloo: an all-to-all of the input
         assert predicted["all_reduce"] == 0  # no HSDP
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             assert seen[("tp", kind)] == predicted[f"tp_{kind}"], kind
