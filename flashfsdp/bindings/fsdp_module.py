@@ -253,10 +253,11 @@ class FSDPModule(TorchFSDPModule):
             state.unit.streams.max_held = max_input_buffers
 
     def set_max_inflight_all_gathers(self, max_inflight: int) -> None:
-        """Let at most ``max_inflight`` units be prefetched (unsharded) ahead of compute.
+        """Let at most ``max_inflight`` all-gathers be prefetched (unsharded) ahead of compute; the
+        units gathered in one bucket (``set_bucket_bytes``) count as one.
 
-        Default 2; 0 disables prefetching (each unit is all-gathered when its forward or backward
-        starts). Only the root's value counts, for every unit under it: call this on the root.
+        Default 2; 0 disables prefetching (each unit, or bucket, is all-gathered when its forward
+        or backward starts). Only the root's value counts, for every unit under it: call this on the root.
         Implicit prefetching asks for one unit at a time (the next in forward, the previous in
         backward), explicit lists can ask for more and get the first ones that fit.
 
