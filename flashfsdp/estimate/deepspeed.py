@@ -9,6 +9,8 @@ G = nodes × GPUs per node and a buffer factor f (1.5):
 - no offload: GPU 4L + 18T/G (fp16 parameter and gradient of the largest layer, gathered; then
   18 bytes per sharded parameter: fp16 parameter 2 + fp32 master 4, momentum 4, variance 4,
   gradient 4); CPU f·4L·(GPUs per node) with ``zero_init``, f·4T·(GPUs per node) without.
+  The formula takes no dtypes: it always assumes 16-bit (fp16 or bf16) parameters with fp32 master
+  weights, fp32 gradients and Adam, whatever the model trains in (:data:`ZERO3_ASSUMPTIONS`).
 - optimizer offloaded: GPU 4L + 2T/G; CPU f·16T/nodes (``zero_init``), else f·T·max(4·GPUs per
   node, 16/nodes).
 - optimizer and parameters offloaded: GPU 4L; CPU f·18T/nodes (``zero_init``), else
@@ -20,6 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+
+# What DeepSpeed's formula assumes (no offload), stated beside every comparison with it.
+ZERO3_ASSUMPTIONS = ("DeepSpeed's estimate_zero3_model_states_mem_needs, no offload: 18 bytes per parameter / W "
+                     "(a 16-bit parameter 2, fp32 master 4, Adam's two fp32 moments 8, fp32 gradient 4), whatever "
+                     "the dtypes and optimizer, + 4 bytes per parameter of the largest layer (its 16-bit "
+                     "parameter and gradient, gathered)")
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,13 @@ class DeepSpeedZero3:
     cpu_bytes: int
     gpu_bytes: int
     largest_layer_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        """The GPU figure less the gathered largest layer: the sharded model states on the GPU (18
+        bytes per parameter / G without offload, 2 with the optimizer offloaded, 0 with the
+        parameters too)."""
+        return self.gpu_bytes - self.largest_layer_bytes
 
 
 def zero3_model_states(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,

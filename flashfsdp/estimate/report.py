@@ -1,12 +1,15 @@
-"""Text tables of an :class:`~flashfsdp.estimate.Estimate`: the per-rank breakdown, the step's
-communication, and memory over world sizes beside DeepSpeed's ZeRO-3 formula."""
+"""Text tables of an :class:`~flashfsdp.estimate.Estimate`: the per-rank breakdown and the units
+that set its peak, the step's communication, and memory over world sizes beside DeepSpeed's ZeRO-3
+formula (its states beside flashfsdp's, its total beside flashfsdp's, its assumptions stated)."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import textwrap
+from typing import Callable, Mapping, Sequence
 
-from .deepspeed import zero3_model_states
+from .deepspeed import ZERO3_ASSUMPTIONS, zero3_model_states
 from .estimate import Estimate
+from .units import UnitSpec
 
 GIB = 2**30
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -41,9 +44,10 @@ def _params_peak_label(units: int) -> str:
     return f"unsharded parameters: {units} unit{'' if units == 1 else 's'} at the peak"
 
 
-def memory_table(est: Estimate) -> str:
-    """Per-rank memory: model states, then what the step allocates, then the total."""
-    largest = est.largest_unit
+def memory_table(est: Estimate, members: Mapping[str, Sequence[str]] | None = None) -> str:
+    """Per-rank memory: model states, then what the step allocates, then the total, and a line
+    naming the units unsharded at the peak (the root's modules from ``members``, by unit name, as
+    ``units.unit_members`` gives them) and the largest unit."""
     rows = [
         _row("master parameters (sharded)", est.master_bytes),
         _row("gradients (sharded)", est.grad_bytes),
@@ -54,9 +58,22 @@ def memory_table(est: Estimate) -> str:
         _row("step peak on top of the states", est.transient_peak_bytes),
         _row("total per rank (no activations)", est.total_bytes),
     ]
-    note = (f"largest unit: {largest.name} ({largest.numel:,} params, {human_bytes(largest.unsharded_bytes())} "
-            f"unsharded); unsharded at the peak: {', '.join(est.units_at_peak) or 'none'}")
-    return _table(("per rank", "bytes", "size"), rows) + "\n" + note
+    return _table(("per rank", "bytes", "size"), rows) + "\n" + peak_line(est, members)
+
+
+def peak_line(est: Estimate, members: Mapping[str, Sequence[str]] | None = None) -> str:
+    """Which units set the peak of the unsharded parameters, and the largest unit: "peak set by:
+    <root> (tok_embeddings, norm, output: 1,050,677,248 params, 1.96 GiB unsharded); largest unit:
+    <root>". The root's modules are named from ``members`` (a block's name says what it is)."""
+    units = {u.name: u for u in est.units}
+    at_peak = "; ".join(_describe_unit(units[name], members) for name in est.units_at_peak) or "none"
+    return f"peak set by: {at_peak}; largest unit: {est.largest_unit.name}"
+
+
+def _describe_unit(unit: UnitSpec, members: Mapping[str, Sequence[str]] | None) -> str:
+    held = list((members or {}).get(unit.name, ())) if unit.name == "<root>" else []
+    what = f"{', '.join(held)}: " if held else ""
+    return f"{unit.name} ({what}{unit.numel:,} params, {human_bytes(unit.unsharded_bytes())} unsharded)"
 
 
 def comm_table(est: Estimate) -> str:
@@ -106,8 +123,11 @@ def tp_comm_table(est: Estimate) -> str:
 
 def world_size_table(estimate_at: Callable[[int], Estimate], world_sizes: Sequence[int],
                      deepspeed_params: tuple[int, int]) -> str:
-    """Per-rank memory over world sizes: flashfsdp's model states and total, and DeepSpeed's ZeRO-3
-    estimate without offload (4·largest layer + 18 bytes per parameter / W; ``deepspeed.py``).
+    """Per-rank memory over world sizes: flashfsdp's model states, unsharded parameters at their
+    peak and the units that hold it, step peak and total, and DeepSpeed's ZeRO-3 estimate
+    without offload in the same two parts — its model states (18 bytes per parameter / W) beside
+    flashfsdp's states, its GPU figure (+ 4 bytes per parameter of the largest layer) beside the
+    total — then a line stating DeepSpeed's assumptions (``deepspeed.py``).
 
     Args:
         estimate_at: the estimate at a given world size.
@@ -119,5 +139,17 @@ def world_size_table(estimate_at: Callable[[int], Estimate], world_sizes: Sequen
         est = estimate_at(w)
         ds = zero3_model_states(*deepspeed_params, num_nodes=w)  # its GPU figure depends on W alone
         rows.append((str(w), human_bytes(est.model_state_bytes), human_bytes(est.params_peak_bytes),
-                     human_bytes(est.total_bytes), human_bytes(ds.gpu_bytes)))
-    return _table(("W", "states", "unsharded", "total", "DeepSpeed ZeRO-3"), rows)
+                     _peak_units(est), human_bytes(est.transient_peak_bytes), human_bytes(est.total_bytes),
+                     human_bytes(ds.state_bytes), human_bytes(ds.gpu_bytes)))
+    header = ("W", "states", "unsharded", "peak set by", "step peak", "total", "DeepSpeed ZeRO-3 states",
+              "DeepSpeed ZeRO-3 total")
+    note = f"({ZERO3_ASSUMPTIONS}; its largest layer here: {deepspeed_params[1]:,} params)"
+    return _table(header, rows) + "\n" + textwrap.fill(note, width=100)
+
+
+def _peak_units(est: Estimate) -> str:
+    """The units unsharded at the peak: "<root>", "<root>, layers.31", "<root> + 3 units"."""
+    names = est.units_at_peak
+    if len(names) <= 2:
+        return ", ".join(names) or "none"
+    return f"{names[0]} + {len(names) - 1} units"

@@ -191,6 +191,17 @@ def build_units(model: nn.Module, units: Sequence[nn.Module | str] | None, world
         ValueError: see :func:`resolve_units`; a parameter shared by two units (``fully_shard``
             refuses it too: group them into one unit).
     """
+    return [unit_spec(name, params, world_size, param_dtype, reduce_dtype, placement)
+            for name, params in assign_params(model, units)]
+
+
+def assign_params(model: nn.Module, units: Sequence[nn.Module | str] | None) -> list[tuple[str, list[torch.Tensor]]]:
+    """(unit name, its parameters) of every unit, the root ("<root>") first, then the others in
+    forward order: the assignment of :func:`build_units`.
+
+    Raises:
+        ValueError: as :func:`build_units`.
+    """
     owner: dict[int, str] = {}
     per_unit: dict[str, list[torch.Tensor]] = {}
     for name, module in resolve_units(model, units):
@@ -203,8 +214,18 @@ def build_units(model: nn.Module, units: Sequence[nn.Module | str] | None, world
                 owner[id(p)] = name
                 params.append(p)
     root = [p for p in dict.fromkeys(model.parameters()) if id(p) not in owner]
-    specs = [unit_spec("<root>", root, world_size, param_dtype, reduce_dtype, placement)]
-    return specs + [unit_spec(n, ps, world_size, param_dtype, reduce_dtype, placement) for n, ps in per_unit.items()]
+    return [("<root>", root), *per_unit.items()]
+
+
+def unit_members(model: nn.Module, units: Sequence[nn.Module | str] | None) -> dict[str, tuple[str, ...]]:
+    """The qualified names of the modules that directly hold each unit's parameters, by unit name
+    (the root's of a Llama: its embedding, final norm and output projection), in the model's order.
+
+    Raises:
+        ValueError: as :func:`build_units`.
+    """
+    holder = {id(p): name.rpartition(".")[0] or name for name, p in model.named_parameters()}
+    return {unit: tuple(dict.fromkeys(holder[id(p)] for p in params)) for unit, params in assign_params(model, units)}
 
 
 def unit_spec(name: str, params: Sequence[torch.Tensor], world_size: int, param_dtype: torch.dtype | None,
