@@ -8,8 +8,10 @@ the libnccl loaded; CUDA tensors must get the Triton kernels), ``pytest`` (``pyt
 bf16 equal to FSDP2), ``w2_gloo`` (two ranks on the one GPU over gloo, against FSDP2),
 ``expandable`` (``expandable_segments:True`` with ``empty_cache()`` after every phase equals the
 plain run), ``kernels`` (``benchmarks.kernels``: % of copy bandwidth, 1000 small tensors against
-the torch ops) and ``step`` (``benchmarks.step`` at W = 1 for a ~1B bf16 Llama against FSDP2 and
-unsharded, peak memory against the ZeRO-3 formula). A step that fails is reported and the next
+the torch ops), ``host_bound`` (``benchmarks.step --host-bound`` in bf16 and
+``benchmarks.small_units`` at W = 1: flashfsdp against FSDP2 where the host sets the pace) and
+``step`` (``benchmarks.step`` at W = 1 for a ~1B bf16 Llama against FSDP2 and unsharded, with
+torch's and flashfsdp's AdamW, peak memory against the ZeRO-3 formula plus activations). A step that fails is reported and the next
 one runs; steps that would start with less than their share of ``--budget`` (default 540 s, the
 9 minutes a GPU session allows) left are skipped as "skipped: out of time".
 
@@ -38,7 +40,7 @@ from benchmarks.tables import write_markdown
 
 # Seconds each step is expected to need on an H100; a step starts only with that much budget left.
 SHARE = {"environment": 5, "pytest": 150, "stress": 60, "w2_gloo": 40, "expandable": 30, "kernels": 60,
-         "step": 120}
+         "host_bound": 90, "step": 150}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
