@@ -278,6 +278,11 @@ def reduce_units(units: Sequence[ShardedUnit]) -> list[PendingReduce]:
     with torch.no_grad(), trace.span("pack", name, "compute" if streams.is_cuda else "reduce_scatter"):
         packed = torch.empty(W * segment, dtype=reduce_dtype, device=device)
         flatten(tensors, offsets, packed, scale=1.0 / f_pre, numels=numels)
+    del tensors  # the gradients go before the output is allocated (as in reduce.reduce_group)
+    for _, group, p in entries:
+        p.grads = None
+        for param in group.unsharded_params:
+            param.grad = None
     pending = []
     with streams.use(rs), torch.no_grad():
         output = torch.empty(segment, dtype=reduce_dtype, device=device)
@@ -295,7 +300,4 @@ def reduce_units(units: Sequence[ShardedUnit]) -> list[PendingReduce]:
             for p in pending:
                 p.start_all_reduce()
     streams.hold_until_passed(read_event, packed)
-    for _, group, _ in entries:
-        for param in group.unsharded_params:
-            param.grad = None
     return pending

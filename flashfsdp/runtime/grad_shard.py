@@ -66,10 +66,43 @@ class GradShard:
             spare, self._spare_grad = self._spare_grad, None
             if spare is not None:
                 buffer = spare[0]
-                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())  # (a whole storage)
+                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())  # (offset 0)
                 self.sharded_grad, self._grad_tensors = buffer.zero_(), spare
             else:
                 self.sharded_grad = self._new_shard(self.dtype, zeros=True)
+        return self.sharded_grad
+
+    def reduce_output(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A ``numel``-element buffer (``numel`` >= S, a reduce-scatter segment) for a reduction
+        whose first S elements can then become ``sharded_grad`` (:meth:`adopt_reduce_output`), or
+        None where they cannot: the group holds a gradient, or the gradient shard's dtype or
+        device differ from the reduction's (a ``reduce_dtype`` other than the master dtype, CPU
+        offload).
+
+        [Note: reduced in place]
+        FSDP2's reduce-scatter output becomes the gradient where there is none to add to. Here
+        the output of a reduction that assigns is likewise the gradient shard's memory, scaled in
+        place by the accumulation (an exact alias, which the kernel allows), instead of a second
+        S-element buffer alive beside it: one unit of gradients less at the backward's peak. A
+        released buffer ([Note: kept gradient DTensors]) gets its memory back at the segment's size."""
+        if self.sharded_grad is not None or dtype != self.dtype or device != self.shard_device:
+            return None
+        if self._spare_grad is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        storage = self._spare_grad[0].untyped_storage()
+        storage.resize_(numel * dtype.itemsize)
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,))
+
+    def adopt_reduce_output(self, output: torch.Tensor) -> torch.Tensor:
+        """Make ``output[:S]`` (a :meth:`reduce_output` buffer) the gradient shard and return it;
+        the gradient shard as :meth:`sharded_grad_buffer` gives it where one appeared since."""
+        if self.sharded_grad is not None:
+            return self.sharded_grad
+        spare, self._spare_grad = self._spare_grad, None
+        if spare is not None and spare[0].untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+            self.sharded_grad, self._grad_tensors = spare[0], spare
+        else:
+            self.sharded_grad = output[: self.layout.shard_size]
         return self.sharded_grad
 
     def release_unused_grad(self) -> None:

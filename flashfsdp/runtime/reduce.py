@@ -148,6 +148,7 @@ class PendingReduce:
     had: list = field(default_factory=list)  # per parameter: its chunk held a gradient already
     across_replicas: bool = False  # HSDP: the all-reduce stage was started (see start_all_reduce)
     to_accumulate: bool = True  # False: the output went into the unit's partial sum
+    in_place: bool = False  # the output is to become the gradient shard ([Note: reduced in place])
 
     def _expand(self) -> None:
         """Make the output dense: a segment of the group's own layout, the reduced parameters'
@@ -227,6 +228,7 @@ class PendingReduce:
         with streams.use(streams.reduce_scatter), trace.span("accumulate", self.unit.name, "reduce_scatter",
                                                              streams.reduce_scatter):
             sq_norm, nonfinite = accumulate_grad_shard(output, grad, scale=scale, accumulate=self.accumulate)
+        del output, ready  # a view of an output reduced in place would hold the gradient's memory
         self._done(grad, sq_norm, nonfinite, unscaled_by)
 
     def _ready(self):
@@ -239,7 +241,8 @@ class PendingReduce:
                 self.keepalive.clear()
                 return None
             self._wait_reduce_scatter()
-            grad = self.group.sharded_grad_buffer()
+            grad = (self.group.adopt_reduce_output(self.output) if self.in_place
+                    else self.group.sharded_grad_buffer())
             if self.unit.all_reduce_hook is not None:
                 self._run_all_reduce_hook()
             if not self.rlayout.dense:
@@ -260,6 +263,8 @@ class PendingReduce:
         self.group.grad_stats = (sq_norm, nonfinite, grad._version)
         loss_scale.record(self.group, unscaled_by)
         mask = self.group.grad_mask(self.local, self.had, self.got_anywhere, self.unit.reduce_unused_params)
+        if self.in_place:  # the flags are read: only the gradient shard holds the memory now
+            self.output = None
         self.group.expose_grads(mask)
         self.group.run_post_accumulate_grad_hooks()
         self.keepalive.clear()
@@ -286,6 +291,7 @@ def finish_all(pending: Sequence[PendingReduce]) -> None:
             results = accumulate_grad_shards([r[0] for _, r in items], [r[1] for _, r in items], scale=scale,
                                              accumulate=accumulate)
             stats.update(zip((id(p) for p, _ in items), results))
+    ready = [(p, r and (None, *r[1:])) for p, r in ready]  # (as in finish)
     for p, r in ready:
         if r is not None:
             p._done(r[1], *stats[id(p)], r[3])
@@ -341,20 +347,26 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
     # at once; the reduce-scatter stream waits on it (use). See streams.py, [Note: memory safety].
     with torch.no_grad(), trace.span("pack", unit.name, "compute" if streams.is_cuda else "reduce_scatter"):
         packed = pack(group, prepared.grads, local, reduce_dtype, 1.0 / f_pre, rlayout, unit.device)
+    # The packed copy is ordered before any later use of their memory: the gradients go now, before
+    # the output is allocated (FSDP2 frees them after its copy-in, likewise).
+    prepared.grads = None
+    for p in group.unsharded_params:
+        p.grad = None
     with streams.use(rs), torch.no_grad():
-        output = torch.empty(rlayout.segment, dtype=reduce_dtype, device=unit.device)
+        in_place = None
+        if not prepared.accumulate and rlayout.dense and unit.replicate_comm is None:
+            in_place = group.reduce_output(rlayout.segment, reduce_dtype, unit.device)
+        output = torch.empty(rlayout.segment, dtype=reduce_dtype, device=unit.device) if in_place is None else in_place
         with trace.issuing("reduce_scatter", unit.name, rs) as issued:
             work = issued.track((unit.rs_comm or unit.comm).reduce_scatter_tensor(output, packed, op="sum"))
         pending = PendingReduce(unit, group, work, output, prepared.accumulate, 1.0 / prepared.f_post, rlayout,
-                                [packed], issued, local, prepared.had)
+                                [packed], issued, local, prepared.had, in_place=in_place is not None)
         read_event = streams.record(rs)  # the reduce-scatter has read ``packed``
         if streams.is_cuda:  # HSDP: enqueue the all-reduce behind it (see [Note: HSDP all-reduce])
             pending.start_all_reduce()
     # ``packed`` is a compute-stream block the reduce-scatter stream reads: the compute stream
     # must pass the reduce-scatter before it may be freed (see streams.hold_until_passed).
     streams.hold_until_passed(read_event, packed)
-    for p in group.unsharded_params:
-        p.grad = None
     return pending
 
 

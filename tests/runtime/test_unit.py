@@ -111,6 +111,40 @@ def test_a_released_gradient_keeps_its_tensors_unless_something_holds_them():
     assert torch.equal(held, torch.full((4, 3), 2.0)) and torch.equal(view, torch.full((2,), 2.0))
 
 
+def test_a_reduction_with_no_gradient_to_add_to_becomes_the_gradient_shard():
+    """[Note: reduced in place]: with no gradient held, the reduce-scatter's output is the
+    gradient shard's memory (no second S-element buffer beside it); with one, it is added into
+    that gradient; and a reduce_dtype other than the master dtype reduces into its own buffer."""
+    params = _params((4, 3), (5,))
+    unit = _unit(params)
+    group = unit.groups[0]
+
+    def reduce(value):
+        unit.wait_unshard()
+        for i, p in enumerate(params):
+            unit.unsharded_param(i).grad = torch.full(p.shape, value)
+        (pending,) = unit.reduce_grads()
+        output = pending.output
+        pending.finish()
+        return output
+
+    output = reduce(1.0)
+    assert group.sharded_grad.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
+    assert torch.equal(unit.sharded_param(1).grad, torch.full((5,), 1.0))
+    output = reduce(2.0)  # a gradient is held: accumulated into it, from a buffer of its own
+    assert group.sharded_grad.untyped_storage().data_ptr() != output.untyped_storage().data_ptr()
+    assert torch.equal(unit.sharded_param(0).grad, torch.full((4, 3), 3.0))
+
+    mixed = _unit(_params((6,)), param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    mixed.wait_unshard()
+    mixed.unsharded_param(0).grad = torch.ones(6, dtype=torch.bfloat16)
+    (pending,) = mixed.reduce_grads()
+    output = pending.output
+    pending.finish()
+    assert mixed.groups[0].sharded_grad.untyped_storage().data_ptr() != output.untyped_storage().data_ptr()
+    assert torch.equal(mixed.sharded_param(0).grad, torch.ones(6))
+
+
 def test_no_sync_accumulation_runs_in_reduce_dtype():
     params = _params((6,))
     unit = _unit(params, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
