@@ -1,5 +1,6 @@
 """The layers of docs/architecture.md, read from the code: every import between flashfsdp modules
-(deferred ones inside functions and type-checking ones included) goes one way — no module imports
+and the training job's torch-free front ``flashfsdp_cli`` (deferred ones inside functions and
+type-checking ones included, and the packages an import enters first) goes one way — no module imports
 one that imports it back, directly or through others — and each layer imports only the ones below
 it: ``kernels`` nothing of flashfsdp's but ``_torch_private``, ``runtime`` no ``bindings``,
 ``bindings`` none of the packages built on it, ``sim`` and ``estimate`` no ``bindings``, and
@@ -15,11 +16,12 @@ import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "flashfsdp"
+CLI = PACKAGE.parent / "flashfsdp_cli"  # the training job's torch-free front, in the graph too
 
 
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path in [*PACKAGE.rglob("*.py"), *CLI.rglob("*.py")]:
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
@@ -46,8 +48,18 @@ def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
                 target = target.rpartition(".")[0]
             if target and target != name and target.startswith("flashfsdp"):
                 found.add(target)
+                found.update(_entered_packages(name, target, modules))
                 break
     return found
+
+
+def _entered_packages(name: str, target: str, modules: dict) -> set[str]:
+    """The packages an import of ``target`` from ``name`` runs first (their ``__init__``): those
+    above ``target`` that do not hold ``name`` itself (a module is imported from inside its own
+    package freely), the top-level ``flashfsdp`` aside (the graph leaves it out)."""
+    parts = target.split(".")
+    above = {".".join(parts[:k]) for k in range(2, len(parts))}
+    return {p for p in above if p in modules and not (name == p or name.startswith(p + "."))}
 
 
 def _graph() -> dict[str, set[str]]:

@@ -77,7 +77,9 @@ class OffloadPolicy:
 class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters and gradients in CPU memory (FSDP2's name).
 
-    Not implemented yet in flashfsdp: ``fully_shard`` rejects it with NotImplementedError.
+    ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` keeps each unit's shard and gradient
+    shard on the CPU; the optimizer steps there and each all-gather copies the shard to the device
+    first (``runtime/flat_param.py``).
 
     Attributes:
         pin_memory: pin the CPU shards for asynchronous host-device copies.

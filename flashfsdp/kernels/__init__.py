@@ -1,4 +1,4 @@
-"""flashfsdp's kernels: pure functions over tensors that move a unit's bytes (DESIGN.md section 3).
+"""flashfsdp's kernels: pure functions over tensors that move a unit's bytes (docs/architecture.md, Kernels).
 
 - :func:`flatten` - many tensors -> one flat buffer (copy-in, gradient packing for reduce-scatter)
 - :func:`unflatten` - one flat buffer -> many tensors (write-back, copy-out)

@@ -2,7 +2,7 @@
 
 A model is a **root** unit (the outermost ``fully_shard`` call: for a Llama, the embedding, final
 norm and output projection) whose forward contains the forwards of its **blocks** (one unit per
-transformer block), as the runtime wraps it (DESIGN.md §2). Per unit: its parameter count, the
+transformer block), as the runtime wraps it (docs/architecture.md, The step protocol). Per unit: its parameter count, the
 bytes per element of its unsharded parameters (``param_dtype``) and of its gradient reduction
 (``reduce_dtype``), and its own forward and backward compute time in **seconds** (nested units
 excluded), either measured by ``flashfsdp.profile()`` (``Profile.unit_compute_ms()``, in ms) or

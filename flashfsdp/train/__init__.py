@@ -39,8 +39,8 @@ the command line to the runtime:
 - `report`: progress bar, metrics, summary, loss plot and samples on rank 0;
 - `loggers`: TensorBoard and Weights & Biases sinks of the metrics (--tensorboard, --wandb);
 - `flops`: model FLOPs per token, peak FLOP/s of known GPUs, MFU.
+
+The command's entry point is `flashfsdp_cli.train.main` (`flashfsdp-train`, `python -m
+flashfsdp.train`), which imports this package only after its own checks: this package does not
+import it back.
 """
-
-from flashfsdp_cli.train import main
-
-__all__ = ["main"]
