@@ -13,9 +13,11 @@ import tempfile
 
 import torch
 
+from flashfsdp.debug import desync_window
+
 from benchmarks.environment import device_setup, environment_columns
 from benchmarks.outputs import add_output_arguments, output_dir
-from benchmarks.soak.disagreements import DISAGREEMENTS, QUICK_DISAGREEMENT, run_disagreement
+from benchmarks.soak.disagreements import DESYNC_TIMEOUT_S, DISAGREEMENTS, QUICK_DISAGREEMENT, run_disagreement
 from benchmarks.soak.faults import FAULTS, TARGET_SLACK_S, run_fault
 from benchmarks.soak.leaks import LEAK_RSS_MIB, run_soak, sample_steps
 from benchmarks.tables import format_table, write_csv, write_markdown
@@ -24,7 +26,7 @@ FAULT_COLUMNS = ["fault", "victim", "fault_reached", "rank0", "rank0_error_s", "
                  "rank1", "rank1_error_s", "rank1_destroyed_s", "rank1_end_s", "all_ended", "loaded_step", "expected_step", "load_ok",
                  "meets_target"]
 PARTS = ("soak", "faults", "disagreements")
-DISAGREEMENT_COLUMNS = ["scenario", "rank0", "rank0_surfaced_s", "rank0_named", "rank1", "rank1_surfaced_s",
+DISAGREEMENT_COLUMNS = ["scenario", "timeout_s", "window_s", "rank0", "rank0_surfaced_s", "rank0_named", "rank1", "rank1_surfaced_s",
                         "rank1_named", "all_ended", "meets_target"]
 
 
@@ -66,13 +68,17 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
     torch.set_num_threads(1)
     _, env, _ = device_setup("cpu")
     runs = {part: args.only in (None, part) for part in PARTS}
+    window = desync_window()  # the default (FLASHFSDP_DESYNC_WINDOW)
     soak = run_soak(args.steps, profiled=False) if runs["soak"] else []
     if runs["soak"] and not args.quick:
         soak += run_soak(args.steps, profiled=True) + run_soak(args.steps, profiled="aggregate")
     faults = [run_fault(fault, args.timeout) for fault in (FAULTS[:1] if args.quick else FAULTS) if runs["faults"]]
     with tempfile.TemporaryDirectory() as ckpt_dir:
-        disagreements = [run_disagreement(d, args.timeout, ckpt_dir) for d in DISAGREEMENTS
+        disagreements = [run_disagreement(d, args.timeout, ckpt_dir, window) for d in DISAGREEMENTS
                          if runs["disagreements"] and (not args.quick or d.name == QUICK_DISAGREEMENT)]
+        # the desync window's figures: gloo's default timeout, the default window
+        disagreements += [run_disagreement(d, DESYNC_TIMEOUT_S, ckpt_dir, window) for d in DISAGREEMENTS
+                          if runs["disagreements"] and not args.quick and d.name != QUICK_DISAGREEMENT]
     soak, faults = [r | env.stamp() for r in soak], [r | env.stamp() for r in faults]
     disagreements = [r | env.stamp() for r in disagreements]
     columns = _soak_columns(args.steps)
@@ -81,7 +87,8 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
     if runs["faults"]:
         print(f"faults, W = 2 gloo, collective timeout {args.timeout:g} s\n{format_table(faults, FAULT_COLUMNS)}\n")
     if runs["disagreements"]:
-        print(f"faults: ranks that disagree, W = 2 gloo, collective timeout {args.timeout:g} s\n"
+        print(f"faults: ranks that disagree, W = 2 gloo, collective timeout {args.timeout:g} s (and "
+              f"{DESYNC_TIMEOUT_S:g} s), desync window {window} s\n"
               f"{format_table(disagreements, DISAGREEMENT_COLUMNS)}")
     for row in disagreements:
         print(f"  {row['scenario']}: {row['diagnosis']}")
@@ -98,7 +105,7 @@ def main(argv=None) -> tuple[list[dict], list[dict]]:
     if runs["disagreements"]:
         write_csv(disagreements, out / f"disagreements{suffix}.csv")
         write_markdown(disagreements, DISAGREEMENT_COLUMNS + ["diagnosis"], out / f"disagreements{suffix}.md",
-                       title="Faults: ranks that disagree", env=env, notes=_disagreement_notes(args.timeout))
+                       title="Faults: ranks that disagree", env=env, notes=_disagreement_notes(args.timeout, window))
     return soak, faults
 
 
@@ -130,14 +137,18 @@ def _fault_notes(timeout_s: float) -> list[str]:
     ]
 
 
-def _disagreement_notes(timeout_s: float) -> list[str]:
+def _disagreement_notes(timeout_s: float, window_s: float | None) -> list[str]:
     return [
         "W = 2 ranks (gloo) that each end on their own, the tiny model of the fault runs; the ranks part ways "
         "after a step or two (see benchmarks.soak.disagreements for each scenario).",
-        f"Collective timeout {timeout_s:g} s. rankN: what the rank raised; *_surfaced_s: seconds from its divergent "
-        "call to its exception; *_named: its message names both ranks' positions (or the setting that differs).",
+        f"Collective timeout {timeout_s:g} s, then {DESYNC_TIMEOUT_S:g} s (gloo's default), both with the desync "
+        f"window of {window_s} s (flashfsdp.debug.set_desync_window's default): past it the ranks compare their "
+        "flight-recorder positions through the store. rankN: what the rank raised; *_surfaced_s: seconds from its "
+        "divergent call to its exception; *_named: its message names both ranks' positions (or the setting that "
+        "differs).",
         "diagnosis: rank 0's message, its lines joined by ' | '.",
-        f"meets_target: every rank raised, named both, within the timeout + {TARGET_SLACK_S:g} s, and ended.",
+        f"meets_target: every rank raised, named both, within the timeout or the window (the shorter) + "
+        f"{TARGET_SLACK_S:g} s, and ended.",
     ]
 
 

@@ -14,10 +14,16 @@ ranks part ways:
 - "int8 all-gathers on one rank": rank 1 builds the model with
   ``MixedPrecisionPolicy(all_gather_dtype=torch.int8)``.
 
+Each scenario runs under the fault runs' collective timeout, and (:data:`DESYNC_TIMEOUT_S`) under
+gloo's default timeout of 30 minutes with the default desync window (``flashfsdp.debug.
+set_desync_window``, 5 s): the ranks compare their flight-recorder positions through the store once
+a collective outlasts the window, and name the desync long before the timeout.
+
 Measured per rank: what it raised, the seconds from the moment it parted ways (its divergent call)
 to its exception (``*_surfaced_s``), and whether its message names both ranks' positions
 (``named``). The diagnosis printed is rank 0's message. Targets: every rank raises (no hang, no
-abort), within the collective timeout + ``TARGET_SLACK_S``, naming both ranks.
+abort), within the collective timeout or the desync window (whichever is shorter) +
+``TARGET_SLACK_S``, naming both ranks.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from benchmarks.soak.faults import TARGET_SLACK_S
 from benchmarks.soak.supervisor import run_independent
 
 WORLD_SIZE = 2
+DESYNC_TIMEOUT_S = 1800.0  # gloo's default collective timeout, for the desync-window rows
 
 
 @dataclass(frozen=True)
@@ -112,10 +119,13 @@ def _play(name: str, rank: int, ckpt: str) -> float:
     return parted
 
 
-def _disagreeing_rank(rank: int, world_size: int, name: str, ckpt: str) -> dict:
-    """One rank of a scenario: what it raised and how long after parting ways (JSON)."""
+def _disagreeing_rank(rank: int, world_size: int, name: str, ckpt: str, window_s: float | None) -> dict:
+    """One rank of a scenario under the desync window ``window_s`` (None: off): what it raised and
+    how long after parting ways (JSON)."""
+    from flashfsdp.debug import set_desync_window  # noqa: PLC0415
     from flashfsdp.kernels.dispatch import use_backend  # noqa: PLC0415
 
+    set_desync_window(window_s)
     parted = time.monotonic()
     try:
         with use_backend("reference"):
@@ -125,12 +135,14 @@ def _disagreeing_rank(rank: int, world_size: int, name: str, ckpt: str) -> dict:
     return {"raised": None, "message": None, "surfaced_s": None}
 
 
-def run_disagreement(scenario: Disagreement, timeout_s: float, ckpt_dir: str) -> dict:
-    """Run one scenario at W = 2 with the collective timeout ``timeout_s``; returns its row."""
-    ckpt = os.path.join(ckpt_dir, re.sub(r"\W+", "_", scenario.name))
-    ends = run_independent(_disagreeing_rank, WORLD_SIZE, (scenario.name, ckpt), timeout_s=timeout_s,
-                           limit_s=timeout_s + 60)
-    row = {"scenario": scenario.name, "timeout_s": timeout_s}
+def run_disagreement(scenario: Disagreement, timeout_s: float, ckpt_dir: str, window_s: float | None = None) -> dict:
+    """Run one scenario at W = 2 with the collective timeout ``timeout_s`` and the desync window
+    ``window_s`` (None: off); returns its row."""
+    ckpt = os.path.join(ckpt_dir, re.sub(r"\W+", "_", scenario.name) + f"_{timeout_s:g}")
+    bound = min(timeout_s, window_s or timeout_s)
+    ends = run_independent(_disagreeing_rank, WORLD_SIZE, (scenario.name, ckpt, window_s), timeout_s=timeout_s,
+                           limit_s=bound + 60)
+    row = {"scenario": scenario.name, "timeout_s": timeout_s, "window_s": window_s}
     named_everywhere, in_time = True, True
     for end in ends:
         result = end.result or {}
@@ -140,7 +152,7 @@ def run_disagreement(scenario: Disagreement, timeout_s: float, ckpt_dir: str) ->
         named = all(words in message for words in scenario.named)
         row[f"rank{end.rank}_named"] = named
         named_everywhere &= named
-        in_time &= result.get("surfaced_s") is not None and result["surfaced_s"] <= timeout_s + TARGET_SLACK_S
+        in_time &= result.get("surfaced_s") is not None and result["surfaced_s"] <= bound + TARGET_SLACK_S
         if end.rank == 0:
             row["diagnosis"] = " | ".join(line for line in message.splitlines() if line.strip())[:600]
     row["all_ended"] = all(end.how != "hung" for end in ends)

@@ -13,8 +13,9 @@ digests differ are the rows themselves exchanged, to name the first difference. 
 compared once (on every rank alike: the ranks run the same calls); the exchange itself happens at
 every call, as it also carries the errors of the checks before it.
 
-The same exchange refuses a state-dict read while another thread of the process runs a training
-step (``concurrency.busy_error``): its all-gathers would interleave with the step's.
+A full state-dict read from a thread other than the training thread is refused on that thread
+before any exchange (``concurrency.thread_refusal``); a first forward while another thread runs a
+training step is refused on every rank through the exchange (``concurrency.busy_error``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import weakref
 from typing import Iterable
 
 from flashfsdp.runtime import control
-from flashfsdp.runtime.agreement import error_payload, operation_name, raise_agreed, raise_own
+from flashfsdp.runtime.agreement import error_payload, global_rank, operation_name, raise_agreed, raise_own
 
 from .autograd import outside_functorch
-from .concurrency import busy_error
+from .concurrency import busy_error, thread_refusal
 
 # Units already found identical on every rank (weakly: a unit's state dies with its module).
 _checked: "weakref.WeakSet" = weakref.WeakSet()
@@ -103,18 +104,23 @@ def check_same_structure(states: Iterable, error: BaseException | None = None) -
     Raises:
         ValueError: the units differ across ranks; names the unit, the parameter or setting, the
             ranks and their values (raised identically on every rank of the communicator).
-        RuntimeError: a state-dict read while another thread runs a training step.
+        RuntimeError: a state-dict read from a thread other than the training thread (on this
+            rank, before any exchange), or a first forward while another thread runs a step.
         control.ControlMismatch: a rank is in another operation (named).
         Exception: ``error`` of the first rank that had one, on every rank (see ``runtime/agreement.py``).
     """
     states = list(states)
+    caller = operation_name()
+    if caller not in _CALLERS:  # a state-dict read (the root's first forward is checked below)
+        refused = thread_refusal(states, global_rank())
+        if refused is not None:
+            raise refused
     error = error or busy_error(states)
     by_comm: dict[int, list] = {}
     for state in states:
         if state.unit.device.type == "meta" or state.unit.comm.world_size == 1:
             continue
         by_comm.setdefault(id(state.unit.comm), []).append(state)
-    caller = operation_name()
     operation = f"{CHECK} ({_CALLERS.get(caller, caller)})"
     with outside_functorch():  # a first forward inside torch.func.jvp: plain tensors here
         _exchange(by_comm, operation, error)

@@ -14,11 +14,10 @@ import copy
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from flashfsdp.bindings import get_optimizer_state_dict
-from flashfsdp.runtime.agreement import global_rank
+from flashfsdp.runtime.agreement import broadcast_state, global_rank
 from flashfsdp.runtime.full_values import sharded_value_of
 from flashfsdp.runtime.param_tags import group_of
 
@@ -79,9 +78,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     """
     settings = _settings(model, wrapper_cls)
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only:
-        box = [optim_state_dict if global_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        optim_state_dict = box[0]
+        optim_state_dict = broadcast_state(optim_state_dict if global_rank() == 0 else None, src=0)
     if not isinstance(optim_state_dict, Mapping) or not {"state", "param_groups"} <= set(optim_state_dict):
         raise ValueError("optim_state_dict_to_load: optim_state_dict must have 'state' and 'param_groups' (as "
                          "FullyShardedDataParallel.optim_state_dict returns)")

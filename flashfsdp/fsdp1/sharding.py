@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from flashfsdp.runtime.agreement import all_gather_values
 from flashfsdp.runtime.comm_factory import default_group
 
 from .api import HYBRID_STRATEGIES, ShardingStrategy
@@ -95,8 +96,7 @@ def _hybrid_mesh(process_group, device_mesh, device_type: str) -> DeviceMesh:
         raise ValueError(f"FullyShardedDataParallel: process_group for hybrid sharding must be the pair "
                          f"(intra_node_group, inter_node_group), got {len(process_group)} groups")
     intra, inter = process_group
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, dist.get_process_group_ranks(intra))  # every rank's shard group
+    rows = all_gather_values(dist.get_process_group_ranks(intra))  # every rank's shard group
     mesh = [next(row for row in rows if r in row) for r in dist.get_process_group_ranks(inter)]
     return DeviceMesh.from_group([inter, intra], device_type, mesh=torch.tensor(mesh),
                                  mesh_dim_names=HSDP_DIM_NAMES)

@@ -5,7 +5,12 @@ Used by the state-dict, checkpoint and gradient-clipping functions where one ran
 rank waits forever in a later collective: check first, agree, then act; a failure while acting is
 held until the ranks agree again, and each rank still issues every collective it owes meanwhile.
 
-Every exchange here runs on a control group (``control.py``): a gloo group of its own over the
+:func:`all_gather_values`, :func:`broadcast_value` and :func:`broadcast_state` move Python values
+between ranks over a process group without pickle (``all_gather_object`` and
+``broadcast_object_list`` unpickle what other processes sent, which can run code): as control
+messages (JSON), or as ``torch.save`` bytes read with ``weights_only=True``.
+
+Every agreement runs on a control group (``control.py``): a gloo group of its own over the
 ranks of the default group (:func:`agree`, :func:`agree_and_gather`, :func:`agree_on_list`,
 :func:`agree_from_rank0`) or of a unit's communicator (:func:`agree_in_group`,
 :func:`raise_group_errors`), never on the group the units' all-gathers use. Each message names
@@ -96,7 +101,7 @@ def agree(exc: BaseException | None) -> None:
 
 def agree_and_gather(exc: BaseException | None, value: Any) -> list:
     """Collective over the default group's control group: :func:`agree` on ``exc``, and every rank's
-    ``value`` (any picklable object), by rank, in the same exchange.
+    ``value`` (what a control message holds: ``control.encode``), by rank, in the same exchange.
 
     Raises:
         The first error of any rank, on every rank (this rank's own ``exc`` chained as the cause).
@@ -187,3 +192,86 @@ def all_gather_fixed(comm: Communicator, data: bytes, device: torch.device, over
         comm.all_gather_into_tensor(out, mine).wait()
     flat = out.cpu().numpy().tobytes()
     return [flat[r * len(data) : (r + 1) * len(data)] for r in range(comm.world_size)]
+
+
+# ------------------------------------------------------------- objects between ranks, without pickle
+def _object_device(group) -> torch.device:
+    """Where a group's collectives take their tensors: the current GPU for NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
+        else torch.device("cpu")
+
+
+def _all_gather_data(data: bytes, group) -> list[bytes]:
+    """Every rank's ``data`` (any lengths), by rank in ``group``: the lengths, then the padded bytes."""
+    device, world = _object_device(group), dist.get_world_size(group)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    all_gather_single(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
+    sizes = lengths.tolist()
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(longest * world, dtype=torch.uint8, device=device)
+    all_gather_single(out, mine.to(device), group=group)
+    flat = out.cpu().numpy().tobytes()
+    return [flat[r * longest : r * longest + n] for r, n in enumerate(sizes)]
+
+
+def _broadcast_data(data: bytes | None, src: int, group) -> bytes:
+    """Rank ``src``'s (global rank) ``data`` on every rank of ``group``."""
+    device = _object_device(group)
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if data:
+        buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buffer = buffer.to(device)
+    dist.broadcast(buffer, src=src, group=group)
+    return buffer.cpu().numpy().tobytes()
+
+
+def all_gather_values(value: Any, group=None) -> list:
+    """Collective over ``group`` (None: the default group): every rank's ``value``, by rank in the
+    group. ``torch.distributed.all_gather_object`` without pickle: the values travel as control
+    messages (``control.encode``: None, bool, int, float, str, bytes, tuples, lists, dicts).
+
+    Raises:
+        TypeError: ``value`` holds anything else (on this rank, before any collective).
+        ValueError: a rank's bytes do not decode (not one of this library's messages).
+    """
+    data = control.encode(value)
+    return [control.decode(d) for d in _all_gather_data(data, group)]
+
+
+def broadcast_value(value: Any, src: int = 0, group=None) -> Any:
+    """Collective over ``group``: rank ``src``'s (global rank) ``value`` on every rank (what the
+    other ranks pass is ignored). ``broadcast_object_list`` of one value, without pickle (see
+    :func:`all_gather_values`).
+
+    Raises:
+        TypeError / ValueError: as :func:`all_gather_values` (TypeError on ``src``).
+    """
+    mine = dist.get_rank() == src
+    data = _broadcast_data(control.encode(value) if mine else None, src, group)
+    return value if mine else control.decode(data)
+
+
+def broadcast_state(obj: Any, src: int = 0, group=None) -> Any:
+    """Collective over ``group``: rank ``src``'s ``obj`` — tensors, containers, numbers and strings,
+    as an optimizer's state dict holds — on every rank: ``torch.save`` bytes read back with
+    ``torch.load(weights_only=True)``, whose unpickler builds tensors and plain containers only
+    (never a pickled object's code).
+
+    Raises:
+        pickle.UnpicklingError: the bytes hold anything else (raised on the receiving ranks).
+    """
+    import io  # noqa: PLC0415
+
+    mine = dist.get_rank() == src
+    data = None
+    if mine:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
+    data = _broadcast_data(data, src, group)
+    return obj if mine else torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")

@@ -1,8 +1,9 @@
 """The error of a failed collective, naming where every reachable rank is and where they diverged.
 
 When a flashfsdp collective fails on a rank (gloo's timeout, a peer's closed connection, an NCCL
-watchdog abort) or a control exchange is interrupted, :func:`failure` builds the exception to raise
-instead of the backend's bare message:
+watchdog abort, ranks found waiting on collectives that cannot pair once past the desync window:
+``flight_desync.py``) or a control exchange is interrupted, :func:`failure` builds the exception to
+raise instead of the backend's bare message:
 
 1. the rank's report (``flight_dump.report``: position and the last :data:`REPORT_ENTRIES`
    collectives of its flight recorder) goes to the default group's store under
@@ -153,7 +154,8 @@ def failure(error: BaseException, entry: "flight.Entry | None", what: str, reaso
         return CollectiveFailure(f"{what} failed too ({type(error).__name__}: {first_line}), after this earlier "
                                  f"failure: {_failures[2]}")
     if reason is None:
-        reason = "timeout" if "timed out" in str(error).lower() or isinstance(error, TimeoutError) else "error"
+        reason = getattr(error, "reason", None) or (
+            "timeout" if "timed out" in str(error).lower() or isinstance(error, TimeoutError) else "error")
     mine = flight_dump.report(reason, error, entries=REPORT_ENTRIES)
     grace = grace_seconds(error)
     reports, missing = exchange_reports(mine, getattr(entry, "group", None), grace)

@@ -7,8 +7,10 @@ flashfsdp communicator issues, and every control exchange (``control.py``), take
 ring of :data:`DEFAULT_ENTRIES` entries (``FLASHFSDP_FLIGHT_RECORDER=<N>``; 0 turns it off):
 
     seq (this process's count of recorded collectives), kind ("all_gather", "reduce_scatter",
-    "all_reduce", "broadcast", "control"), group (its ranks), unit, phase, step, bytes, state
-    ("issued", "waiting", "completed", "failed") and the wall-clock times of issue and end.
+    "all_reduce", "broadcast", "control"), group (its ranks), channel (the process group it runs
+    on, by name) and gseq (its number among this process's collectives on that channel: the same
+    collective has the same number on every rank), unit, phase, step, bytes, state ("issued",
+    "waiting", "completed", "failed") and the wall-clock times of issue and end.
 
 Cost: one small object per collective and a few attribute stores (measured by
 ``benchmarks/flight_recorder.py``). The phase and the step come from the units' hooks
@@ -16,10 +18,13 @@ Cost: one small object per collective and a few attribute stores (measured by
 named operation inside :func:`operation` (a checkpoint save, a gradient-norm all-reduce),
 "backward" inside the autograd engine elsewhere (the end-of-backward callback), else "outside
 forward/backward". The step counts the root's forwards outside backward, as ``profile()`` does
-(per root: the step of the root that ran last).
+(per root: the step of the root that ran last), until the application says which step it runs
+(:func:`set_step`, e.g. the training job's step: evaluation batches and gradient-accumulation
+micro-batches then count for nothing).
 
 What reads the ring: ``divergence.py`` (the error every reachable rank raises when a collective
-fails, naming where each rank is) and ``flight_dump.py`` (the per-rank JSON dumps that
+fails, naming where each rank is), ``flight_desync.py`` (the ranks' positions compared once a
+collective outlasts the desync window) and ``flight_dump.py`` (the per-rank JSON dumps that
 ``python -m flashfsdp.debug`` reads).
 """
 
@@ -47,7 +52,8 @@ _HOOK_PHASES = {"pre_forward": "forward", "post_forward": "forward", "pre_backwa
 class Entry:
     """One recorded collective (see the module docstring for the fields)."""
 
-    __slots__ = ("seq", "kind", "group", "unit", "phase", "step", "nbytes", "state", "issued_at", "ended_at")
+    __slots__ = ("seq", "kind", "group", "channel", "gseq", "unit", "phase", "step", "nbytes", "state", "issued_at",
+                 "ended_at")
 
     def as_dict(self) -> dict:
         """The entry as JSON-serialisable values."""
@@ -71,7 +77,10 @@ class _State:
         self.ring: list = [None] * size
         self.counter = itertools.count(1)  # next() is atomic under the GIL: threads may record too
         self.last_seq = 0
-        self.step = 0  # the step of the root that ran last
+        self.step = 0  # the step of the root that ran last (or the application's: set_step)
+        self.app_step = False  # whether the application sets the step (set_step)
+        self.channels: dict = {}  # channel -> itertools.count of its collectives (gseq)
+        self.issued: dict = {}  # channel -> the last gseq taken there
         self.steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # root -> its steps
         self.phase: str | None = None  # the hook running now (None: no hook)
         self.unit: str | None = None  # the unit whose hook ran last
@@ -115,7 +124,8 @@ def current_phase() -> str:
     return "backward" if current_graph_task_id() != -1 else OUTSIDE
 
 
-def record(kind: str, group: tuple, nbytes: int, unit: str | None = None, phase: str | None = None) -> Entry | None:
+def record(kind: str, group: tuple, nbytes: int, unit: str | None = None, phase: str | None = None,
+           channel: str | None = None) -> Entry | None:
     """Record a collective being issued (state "issued"); returns its entry, None when off.
 
     Args:
@@ -124,12 +134,21 @@ def record(kind: str, group: tuple, nbytes: int, unit: str | None = None, phase:
         nbytes: the bytes this rank sends (its input).
         unit: the unit it serves, if known now (``Work.set_unit`` names it later otherwise).
         phase: overrides :func:`current_phase` (a control exchange names its operation).
+        channel: the process group it runs on, by a name that is the same on every rank of it
+            (torch's ``group_name``); default: the kind's family and the ranks.
     """
     state = _state
     if not state.size:
         return None
     entry = Entry()
     entry.seq = seq = next(state.counter)
+    if channel is None:
+        channel = f"{'control' if kind == 'control' else 'data'}:{','.join(map(str, group))}"
+    counter = state.channels.get(channel)
+    if counter is None:
+        counter = state.channels.setdefault(channel, itertools.count(1))
+    entry.channel, entry.gseq = channel, next(counter)
+    state.issued[channel] = entry.gseq
     entry.kind, entry.group, entry.unit, entry.nbytes = kind, group, unit, nbytes
     entry.phase = phase if phase is not None else current_phase()
     entry.step, entry.state, entry.issued_at, entry.ended_at = state.step, ISSUED, time.time(), None
@@ -166,6 +185,8 @@ def enter_hook(kind: str, owner, unit: str) -> tuple:
     if kind == "pre_forward":
         if current_graph_task_id() != -1:
             phase = "backward (recomputation)"
+        elif getattr(owner, "parent", 0) is None and state.app_step:  # a root, at the application's step
+            state.steps[owner] = state.step
         elif getattr(owner, "parent", 0) is None:  # a root: its next step
             state.step = state.steps[owner] = state.steps.get(owner, 0) + 1
     state.phase = phase
@@ -219,5 +240,31 @@ def hook_thread() -> int | None:
 
 
 def step() -> int:
-    """The step count (root forwards outside backward so far)."""
+    """The step count (root forwards outside backward so far, or the application's: :func:`set_step`)."""
     return _state.step
+
+
+def set_step(step: int | None) -> None:
+    """The collectives recorded from now on belong to the application's step ``step`` (e.g. the
+    training step being run, 1 for the first); root forwards no longer count steps. None: count
+    them again, from the step set last.
+
+    Raises:
+        TypeError: ``step`` is not an int (or None).
+    """
+    if step is None:
+        _state.app_step = False
+        return
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"set_step: step must be an int or None, got {type(step).__name__}")
+    _state.step, _state.app_step = step, True
+
+
+def issued() -> dict[str, int]:
+    """How many collectives this process has issued on each channel (see :func:`record`)."""
+    return dict(_state.issued)
+
+
+def last_seq() -> int:
+    """The seq of the last collective recorded (0: none)."""
+    return _state.last_seq

@@ -60,7 +60,8 @@ def first_divergence(reports: list[dict]) -> str | None:
         return None
     start = max(min(seqs) if seqs else 1 for _, seqs, _ in by_rank)
     end = max(last for _, _, last in by_rank)
-    for seq in range(start, end + 1):
+    # the seqs some rank recorded (a seq no rank holds tells nothing: the range itself may be huge)
+    for seq in sorted({seq for _, seqs, _ in by_rank for seq in seqs if start <= seq <= end}):
         present = [(rank, seqs.get(seq)) for rank, seqs, _ in by_rank]
         issued = [(rank, e) for rank, e in present if e is not None]
         missing = [rank for rank, e in present if e is None]
@@ -76,14 +77,27 @@ def first_divergence(reports: list[dict]) -> str | None:
     return None
 
 
-def describe(reports: list[dict], missing: list[int] = (), grace_s: float | None = None) -> str:
+def _runs(ranks) -> list[tuple[int, int]]:
+    """Runs of consecutive ranks of the ascending iterable ``ranks``, as (first, last)."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return [(first, last) for first, last in runs]
+
+
+def describe(reports: list[dict], missing=(), grace_s: float | None = None) -> str:
     """The diagnosis of ``reports`` (one per rank that reported, any order) and of the ``missing``
-    ranks (which sent none within ``grace_s`` seconds)."""
+    ranks (which sent none within ``grace_s`` seconds; any ascending iterable: runs of consecutive
+    ranks are named as ranges, one line each)."""
     reports = sorted(reports, key=lambda r: r["rank"])
     lines = ["; ".join(position_of(r) for r in reports)]
-    for rank in missing:
-        within = f" within {grace_s:g} s" if grace_s is not None else ""
-        lines.append(f"rank {rank} sent no report{within} (it died, or is busy outside any flashfsdp collective)")
+    within = f" within {grace_s:g} s" if grace_s is not None else ""
+    for first, last in _runs(sorted(missing) if isinstance(missing, (list, tuple, set)) else missing):
+        who = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        lines.append(f"{who} sent no report{within} (it died, or is busy outside any flashfsdp collective)")
     divergence = first_divergence(reports)
     if divergence is not None:
         lines.append(divergence)

@@ -15,6 +15,13 @@ collectives and, at the first error or overdue collective, aborts the communicat
 at its next call (:meth:`Watchdog.raise_if_failed`), and the thread writes it to stderr at once.
 A failure also dumps the flight recorder (``flight_dump.py``) at once, and the raised error says
 where every reachable rank is (``divergence.py``).
+
+The desync window (``flight_desync.py``) applies here too: the oldest collective in flight past
+the window (by its issue time) makes this rank compare its position with the other ranks' through
+the store at each poll (less often the longer it waits); when the ranks wait on collectives that
+cannot pair, the communicator is aborted as on a timeout, with :class:`CollectiveDesync`, long
+before the deadline; when they wait on the same collective (slow, not desynced) or the others are
+busy elsewhere, it keeps waiting.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Callable
 
 from flashfsdp.log import get_logger
 
-from . import divergence, flight, flight_dump
+from . import divergence, flight, flight_desync, flight_dump
 
 _log = get_logger(__name__)
 
@@ -39,6 +46,10 @@ class CollectiveTimeout(CollectiveError):
     """A collective did not complete within the communicator's timeout."""
 
 
+class CollectiveDesync(CollectiveError):
+    """A collective outlasted the desync window while the ranks wait on collectives that cannot pair."""
+
+
 @dataclass
 class Pending:
     """One collective in flight: its name, the unit it serves, deadline and completion test."""
@@ -48,6 +59,8 @@ class Pending:
     done: Callable[[], bool]
     unit: str | None = None
     flight_entry: object = None  # its flight-recorder entry (``flight.py``), marked completed when seen done
+    issued_at: float = 0.0  # the watchdog's clock when it was registered
+    stall: object = None  # its ``flight_desync.Stall`` once past the desync window
 
     def describe(self) -> str:
         """``"all_gather_into_tensor of unit 'layers.0'"`` (or ``"... (unit not named)"``)."""
@@ -80,6 +93,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self.error: CollectiveError | None = None
         self._failed_entry = None  # the overdue collective's flight entry
+        self._reason = "watchdog"  # why it failed, for the reports ("desync" past the window)
         self._diagnosed = False  # the error's message holds the ranks' positions
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -87,7 +101,8 @@ class Watchdog:
     def register(self, collective: str, done: Callable[[], bool], flight_entry=None) -> Pending:
         """Watch a collective just issued (``flight_entry``: its flight-recorder entry, if any);
         its deadline is now + ``timeout_s``."""
-        entry = Pending(collective, self._clock() + self.timeout_s, done, flight_entry=flight_entry)
+        now = self._clock()
+        entry = Pending(collective, now + self.timeout_s, done, flight_entry=flight_entry, issued_at=now)
         with self._lock:
             self._pending.append(entry)
         return entry
@@ -114,12 +129,36 @@ class Watchdog:
             overdue = next((p for p in self._pending if now > p.deadline), None)
         for p in finished:
             flight.completed(p.flight_entry)
+            if p.stall is not None:
+                p.stall.close()
         if overdue is not None:
             return self._fail(CollectiveTimeout(
                 f"{self.name}: {overdue.describe()} did not complete within {self.timeout_s:g} s (another rank "
                 f"never issued it, issued different collectives, or died); the communicator was aborted. "
                 f"In flight: {self._describe_all()}"), overdue)
-        return None
+        return self._check_desync(now)
+
+    def _check_desync(self, now: float) -> CollectiveError | None:
+        """Past the desync window, the oldest collective in flight compares positions (see the
+        module docstring); the failure on a desync, else None."""
+        window = flight_desync.window()
+        if window is None:
+            return None
+        with self._lock:
+            stalled = next((p for p in self._pending if now - p.issued_at >= window and p.flight_entry is not None), None)
+        if stalled is None:
+            return None
+        if stalled.stall is None:
+            stalled.stall = flight_desync.Stall(stalled.flight_entry)
+        verdict = stalled.stall.check()
+        if verdict is None:
+            return None
+        stalled.stall.close()
+        self._reason = "desync"
+        return self._fail(CollectiveDesync(
+            f"{self.name}: {stalled.describe()} is still in flight after the {window:g} s desync window, and the "
+            f"ranks wait on collectives that cannot pair ({'; '.join(verdict.splitlines()[1:])}); the communicator "
+            f"was aborted. In flight: {self._describe_all()}"), stalled)
 
     def _describe_all(self) -> str:
         with self._lock:
@@ -141,13 +180,14 @@ class Watchdog:
         every reachable rank is (``divergence.failure``: the ranks' flight-recorder reports).
 
         Raises:
-            CollectiveError: (or :class:`CollectiveTimeout`) naming the collective and unit.
+            CollectiveError: (or :class:`CollectiveTimeout`, :class:`CollectiveDesync`) naming the
+                collective and unit.
         """
         if self.error is None:
             return
         if not self._diagnosed:
             self._diagnosed = True
-            diagnosis = divergence.failure(self.error, self._failed_entry, self.name, reason="watchdog")
+            diagnosis = divergence.failure(self.error, self._failed_entry, self.name, reason=self._reason)
             self.error.args = (f"{self.error.args[0]}\n{str(diagnosis).split(chr(10), 1)[-1]}",)
         raise self.error
 

@@ -33,7 +33,11 @@ Every collective issued here takes an entry of the flight recorder (``flight.py`
 bytes; the unit when ``Work.set_unit`` names it) that its ``wait()`` marks waiting, then completed.
 A collective whose issue or wait raises (gloo's timeout, a peer's closed connection) raises
 ``divergence.CollectiveFailure`` instead, naming where every reachable rank is (the backend's
-error is its cause).
+error is its cause). On gloo the wait is watched (``flight_desync.wait``): a collective still
+incomplete after the desync window makes the ranks compare their positions through the store, and
+one that can never pair raises the same ``CollectiveFailure`` within seconds instead of at the
+group's timeout. (Not on NCCL through torch: a wait with a timeout would block the host there;
+torch's own watchdog covers it.)
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import divergence, flight
+from . import divergence, flight, flight_desync
 from .communicator import Communicator, ReduceOpName, Work, check_collective_sizes, check_reduce_op
 from .flight_report import collective
 
@@ -68,9 +72,10 @@ class _TorchWork(Work):
     """Wraps a torch.distributed work handle (``wait()`` syncs the current stream on CUDA) and its
     flight-recorder entry (see [Note: flight recorder])."""
 
-    def __init__(self, work: dist.Work | None, entry=None):
+    def __init__(self, work: dist.Work | None, entry=None, watched: bool = False):
         self._work = work
         self._entry = entry
+        self._watched = watched  # waited through the desync window (gloo)
         self._completed_at: float | None = None
 
     def set_unit(self, unit: str) -> None:
@@ -82,8 +87,11 @@ class _TorchWork(Work):
             entry = self._entry
             flight.waiting(entry)
             try:
-                self._work.wait()
-            except Exception as exc:  # noqa: BLE001 - a timeout, a dead peer: diagnosed
+                if self._watched:
+                    flight_desync.wait(self._work, entry)
+                else:
+                    self._work.wait()
+            except Exception as exc:  # noqa: BLE001 - a timeout, a dead peer, a desync: diagnosed
                 raise _failure(exc, entry) from exc
             flight.completed(entry)
             self._work = None
@@ -129,13 +137,15 @@ class ProcessGroupCommunicator(Communicator):
         self.world_size = dist.get_world_size(self.group)
         self.backend = dist.get_backend(self.group)
         self.ranks = tuple(dist.get_process_group_ranks(self.group))  # for the flight recorder
+        self.channel = f"data:{getattr(self.group, 'group_name', self.ranks)}"
+        self._watched = self.backend == "gloo"
         # gloo has no AVG for every collective on every release: emulate it with SUM then divide.
         self._native_avg = self.backend == "nccl"
 
     def _issue(self, kind: str, nbytes: int, call, *args, **kwargs):
         """(torch's work handle of ``call(*args, **kwargs)``, its flight entry); a failure to issue
         is diagnosed (see [Note: flight recorder])."""
-        entry = flight.record(kind, self.ranks, nbytes)
+        entry = flight.record(kind, self.ranks, nbytes, channel=self.channel)
         try:
             return call(*args, group=self.group, async_op=True, **kwargs), entry
         except Exception as exc:  # noqa: BLE001 - a dead peer, a broken group: diagnosed
@@ -143,7 +153,7 @@ class ProcessGroupCommunicator(Communicator):
 
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         check_collective_sizes("all_gather_into_tensor", out, inp, self.world_size)
-        return _TorchWork(*self._issue("all_gather", _nbytes(inp), all_gather_single, out, inp))
+        return _TorchWork(*self._issue("all_gather", _nbytes(inp), all_gather_single, out, inp), self._watched)
 
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)
@@ -151,26 +161,30 @@ class ProcessGroupCommunicator(Communicator):
         if self.backend == "gloo" and op != "max":  # see the Note: gloo reduce-scatter
             received = torch.empty_like(inp)
             work, entry = self._issue("reduce_scatter", _nbytes(inp), dist.all_to_all_single, received, inp)
-            return _AllToAllSum(work, received, out, self.world_size, self.world_size if op == "avg" else 1, entry)
+            return _AllToAllSum(work, received, out, self.world_size, self.world_size if op == "avg" else 1, entry,
+                                self._watched)
         if self.backend == "gloo":  # max: torch's own (an all-reduce of a clone), see the Note
             buffer = inp.clone()
             work, entry = self._issue("reduce_scatter", _nbytes(inp), dist.all_reduce, buffer, op=_OPS[op])
-            return _AllReduceChunk(work, buffer, out, self.rank, 1, entry)
+            return _AllReduceChunk(work, buffer, out, self.rank, 1, entry, self._watched)
         if op == "avg" and not self._native_avg:
             work, entry = self._issue("reduce_scatter", _nbytes(inp), reduce_scatter_single, out, inp, op=_OPS["sum"])
-            return _DivideAfter(work, out, self.world_size, entry)
-        return _TorchWork(*self._issue("reduce_scatter", _nbytes(inp), reduce_scatter_single, out, inp, op=_OPS[op]))
+            return _DivideAfter(work, out, self.world_size, entry, self._watched)
+        return _TorchWork(*self._issue("reduce_scatter", _nbytes(inp), reduce_scatter_single, out, inp, op=_OPS[op]),
+                          self._watched)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> Work:
         check_reduce_op(op)
         if op == "avg" and not self._native_avg:
             work, entry = self._issue("all_reduce", _nbytes(tensor), dist.all_reduce, tensor, op=_OPS["sum"])
-            return _DivideAfter(work, tensor, self.world_size, entry)
-        return _TorchWork(*self._issue("all_reduce", _nbytes(tensor), dist.all_reduce, tensor, op=_OPS[op]))
+            return _DivideAfter(work, tensor, self.world_size, entry, self._watched)
+        return _TorchWork(*self._issue("all_reduce", _nbytes(tensor), dist.all_reduce, tensor, op=_OPS[op]),
+                          self._watched)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         global_src = dist.get_global_rank(self.group, src) if self.group is not dist.group.WORLD else src
-        return _TorchWork(*self._issue("broadcast", _nbytes(tensor), dist.broadcast, tensor, src=global_src))
+        return _TorchWork(*self._issue("broadcast", _nbytes(tensor), dist.broadcast, tensor, src=global_src),
+                          self._watched)
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -182,8 +196,9 @@ class _AllReduceChunk(_TorchWork):
     unless it is 1 (see the Note: gloo reduce-scatter). After ``wait()`` it holds no tensor: the
     handle may outlive the step (a profile records it), the gradient shard must not."""
 
-    def __init__(self, work: dist.Work, buffer: torch.Tensor, out: torch.Tensor, rank: int, divisor: int, entry=None):
-        super().__init__(work, entry)
+    def __init__(self, work: dist.Work, buffer: torch.Tensor, out: torch.Tensor, rank: int, divisor: int, entry=None,
+                 watched: bool = False):
+        super().__init__(work, entry, watched)
         self._buffer, self._out, self._rank, self._divisor = buffer, out, rank, divisor
 
     def wait(self) -> None:
@@ -202,8 +217,8 @@ class _AllToAllSum(_TorchWork):
     (W for AVG, emulated with SUM) unless it is 1. After ``wait()`` it holds no tensor."""
 
     def __init__(self, work: dist.Work, received: torch.Tensor, out: torch.Tensor, world_size: int, divisor: int,
-                 entry=None):
-        super().__init__(work, entry)
+                 entry=None, watched: bool = False):
+        super().__init__(work, entry, watched)
         self._received, self._out, self._world_size, self._divisor = received, out, world_size, divisor
 
     def wait(self) -> None:
@@ -223,8 +238,8 @@ class _AllToAllSum(_TorchWork):
 class _DivideAfter(_TorchWork):
     """A SUM collective whose ``wait()`` then divides the result by W (AVG emulation)."""
 
-    def __init__(self, work: dist.Work, result: torch.Tensor, world_size: int, entry=None):
-        super().__init__(work, entry)
+    def __init__(self, work: dist.Work, result: torch.Tensor, world_size: int, entry=None, watched: bool = False):
+        super().__init__(work, entry, watched)
         self._result = result
         self._world_size = world_size
 

@@ -22,13 +22,22 @@ import torch.distributed as dist
 import torch.nn as nn
 
 TIMEOUT_S = 2.0
+DESYNC_WINDOW_S = 1.0  # the desync cases' window (the default is 5 s)
+_parted: list = [None]  # time.monotonic() of this rank's divergent call in the running case
+
+
+def part() -> None:
+    """Mark this rank's divergent call (the case's duration is counted from here)."""
+    _parted[0] = time.monotonic()
 
 
 @contextlib.contextmanager
-def short_timeout_group(store_dir: str, name: str, rank: int, world_size: int, timeout_s: float = TIMEOUT_S):
-    """The default group replaced by one with a ``timeout_s`` collective timeout over the file
-    store ``<store_dir>/<name>``; afterwards by a fresh group with the default timeout."""
-    _swap_group(os.path.join(store_dir, name), rank, world_size, datetime.timedelta(seconds=timeout_s))
+def short_timeout_group(store_dir: str, name: str, rank: int, world_size: int, timeout_s: float | None = TIMEOUT_S):
+    """The default group replaced by one with a ``timeout_s`` collective timeout (None: torch's
+    default) over the file store ``<store_dir>/<name>``; afterwards by a fresh group with the
+    default timeout."""
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    _swap_group(os.path.join(store_dir, name), rank, world_size, timeout)
     try:
         yield
     finally:
@@ -89,6 +98,7 @@ def save_vs_forward(rank: int, ckpt: str):
 
     net = model()
     step(net, rank, 1)
+    part()
     if rank == 0:
         checkpoint.save(ckpt, net, step=1)
     else:
@@ -111,7 +121,10 @@ def uneven_batches_then_save(rank: int, ckpt: str):
     from flashfsdp import checkpoint  # noqa: PLC0415
 
     net = model()
-    for i in range(2 + rank):
+    for i in range(2):
+        step(net, rank, i)
+    part()
+    for i in range(2, 2 + rank):
         step(net, rank, i)
     checkpoint.save(ckpt, net, step=2 + rank)
 
@@ -122,6 +135,7 @@ def skipped_backward(rank: int, ckpt: str):
 
     net = model()
     step(net, rank, 1)
+    part()
     step(net, rank, 2, backward=rank == 0)
     checkpoint.save(ckpt, net, step=2)
 
@@ -132,6 +146,7 @@ def differing_gradient_sync(rank: int, ckpt: str):
 
     net = model()
     step(net, rank, 1)
+    part()
     net.set_requires_gradient_sync(rank == 0)
     step(net, rank, 2)
     checkpoint.save(ckpt, net, step=2)
@@ -195,6 +210,27 @@ def backward_check_agrees(rank: int, ckpt: str):
     return needs_check(*_states(net))
 
 
+def backward_check_accumulation(rank: int, ckpt: str):
+    """Three steps of two micro-batches each, gradient sync off for the first and on for the
+    second (gradient accumulation): whether each backward needs the check's exchange, and the
+    control messages of the steps after the first (none: both combinations were checked)."""
+    from flashfsdp.bindings.backward_check import needs_check  # noqa: PLC0415
+    from flashfsdp.runtime import control  # noqa: PLC0415
+
+    net = model()
+    needed, sent = [], []
+    for i in range(3):
+        ctl = control.control_group()
+        before = None if ctl is None else ctl.seq
+        for last in (False, True):
+            net.set_requires_gradient_sync(last)
+            loss = net(torch.randn(4, 8)).square().mean()
+            needed.append(needs_check(*_states(net)))
+            loss.backward()
+        sent.append(None if ctl is None else ctl.seq - before)
+    return needed, sent[1:]
+
+
 def _ignored_model(rank: int):
     """A sharded layer and an ignored one; the ignored layer's gradient is all-reduced (made equal)
     unless ``rank`` is given, then it stays rank-local."""
@@ -250,6 +286,89 @@ def threaded_state_dict_during_step(rank: int, ckpt: str):
     return sorted(box["result"][1])
 
 
+def slow_not_desynced(rank: int, ckpt: str):
+    """Rank 1 computes for twice the desync window before the second step: slow, not desynced (the
+    ranks wait on the same collective); both finish the step. Returns the losses."""
+    net = model()
+    losses = [step(net, rank, 1)]
+    part()
+    if rank == 1:
+        time.sleep(2 * DESYNC_WINDOW_S)
+    losses.append(step(net, rank, 2))
+    return losses
+
+
+def _train_with_reader(rank: int, reader_on: bool) -> tuple:
+    """Sixteen steps of a small Llama (bf16 compute, SGD) while a second thread reads
+    ``get_model_state_dict`` in a loop (``reader_on``): (losses, snapshots read, the snapshots
+    holding anything other than DTensors, the reader's errors)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: PLC0415
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    from flashfsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+    from flashfsdp.models import Llama, LlamaConfig  # noqa: PLC0415
+
+    net = Llama(LlamaConfig(dim=64, n_layers=2, n_heads=2, max_seq_len=16))
+    net.init_weights(0)
+    for block in net.layers:
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    stop, seen = threading.Event(), {"read": 0, "mixed": 0, "errors": []}
+
+    def read():
+        while not stop.is_set():
+            try:
+                state = get_model_state_dict(net)
+            except Exception as exc:  # noqa: BLE001 - the reader's errors are the result
+                seen["errors"].append(f"{type(exc).__name__}: {exc}")
+                continue
+            seen["read"] += 1
+            seen["mixed"] += any(not isinstance(v, DTensor) for v in state.values())
+
+    reader = threading.Thread(target=read, name="reader")
+    if reader_on:
+        reader.start()
+    losses, tokens = [], torch.Generator().manual_seed(rank)
+    for _ in range(16):
+        batch = torch.randint(0, 256, (2, 17), generator=tokens)
+        loss = nn.functional.cross_entropy(net(batch[:, :-1]).float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    stop.set()
+    if reader_on:
+        reader.join()
+    return losses, seen["read"], seen["mixed"], seen["errors"][:3]
+
+
+def reader_thread_during_training(rank: int, ckpt: str):
+    """Training with and without a thread reading sharded state dicts meanwhile: (the losses are
+    the same, snapshots read, snapshots holding plain tensors, the reader's errors)."""
+    alone, _, _, _ = _train_with_reader(rank, False)
+    losses, read, mixed, errors = _train_with_reader(rank, True)
+    return losses == alone, read > 0, mixed, errors
+
+
+def full_state_dict_from_a_thread(rank: int, ckpt: str):
+    """Between two steps, a thread of each rank asks for the full state dict: what it raised and
+    the control messages sent meanwhile (none: refused before any collective)."""
+    import flashfsdp  # noqa: PLC0415
+    from flashfsdp.runtime import control  # noqa: PLC0415
+
+    net = model()
+    step(net, rank, 1)
+    ctl = control.control_group()
+    before, box = ctl.seq, {}
+    reader = threading.Thread(target=lambda: box.update(result=outcome(flashfsdp.get_full_state_dict, net)))
+    reader.start()
+    reader.join()
+    sent = ctl.seq - before
+    step(net, rank, 2)  # training goes on
+    return box["result"][:2], box["result"][2] if box["result"][0] == "error" else None, sent
+
+
 CASES = {
     "save_vs_forward": save_vs_forward,
     "save_vs_first_forward": save_vs_first_forward,
@@ -261,10 +380,21 @@ CASES = {
     "backward_sync_differs": backward_sync_differs,
     "backward_units_differ": backward_units_differ,
     "backward_check_agrees": backward_check_agrees,
+    "backward_check_accumulation": backward_check_accumulation,
     "clip_ignored_params_differ": clip_ignored_params_differ,
     "clip_ignored_params_equal": clip_ignored_params_equal,
     "optimizer_max_grad_norm_mixed": optimizer_max_grad_norm_mixed,
     "threaded_state_dict_during_step": threaded_state_dict_during_step,
+    "reader_thread_during_training": reader_thread_during_training,
+    "full_state_dict_from_a_thread": full_state_dict_from_a_thread,
+}
+# Run with the process group's default timeout and a short desync window (``run_desync_cases``).
+DESYNC_CASES = {
+    "save_vs_forward": save_vs_forward,
+    "uneven_batches_then_save": uneven_batches_then_save,
+    "skipped_backward": skipped_backward,
+    "differing_gradient_sync": differing_gradient_sync,
+    "slow_not_desynced": slow_not_desynced,
 }
 
 
@@ -276,18 +406,33 @@ def trace_dir(store_dir: str, name: str) -> str:
 CLIP_CASES = ("clip_ignored_params_differ", "clip_ignored_params_equal", "optimizer_max_grad_norm_mixed")
 
 
-def run_case(rank: int, world_size: int, name: str, store_dir: str) -> tuple:
-    """Rank ``rank``'s outcome of case ``name`` and the seconds it took to raise (or return)."""
+def run_case(rank: int, world_size: int, name: str, store_dir: str, timeout_s: float | None = TIMEOUT_S) -> tuple:
+    """Rank ``rank``'s outcome of case ``name`` and the seconds it took to raise (or return), from
+    its divergent call (:func:`part`) where it marks one, else from its start; ``timeout_s``: the
+    group's collective timeout (None: torch's default)."""
     from flashfsdp.runtime import flight  # noqa: PLC0415
 
     flight.configure()  # each case from seq 0 on both ranks, whatever the cases before did
     os.environ["FLASHFSDP_TRACE_DIR"] = trace_dir(store_dir, name)
-    with short_timeout_group(store_dir, name, rank, world_size):
+    with short_timeout_group(store_dir, name, rank, world_size, timeout_s):
+        _parted[0] = None
         start = time.monotonic()
-        result = outcome(CASES[name], rank, os.path.join(store_dir, f"ckpt_{name}"))
-        return result, time.monotonic() - start
+        result = outcome(CASES.get(name) or DESYNC_CASES[name], rank, os.path.join(store_dir, f"ckpt_{name}"))
+        return result, time.monotonic() - (_parted[0] or start)
 
 
 def run_cases(rank: int, world_size: int, names: list[str], store_dir: str) -> dict:
     """:func:`run_case` for each of ``names``, in turn."""
     return {name: run_case(rank, world_size, name, store_dir) for name in names}
+
+
+def run_desync_cases(rank: int, world_size: int, names: list[str], store_dir: str) -> dict:
+    """:func:`run_case` for each of ``names`` under the process group's default timeout (30 min
+    with gloo) and a desync window of :data:`DESYNC_WINDOW_S` seconds."""
+    from flashfsdp import debug  # noqa: PLC0415
+
+    debug.set_desync_window(DESYNC_WINDOW_S)
+    try:
+        return {name: run_case(rank, world_size, name, store_dir, None) for name in names}
+    finally:
+        debug.set_desync_window()

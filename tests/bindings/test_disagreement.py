@@ -5,7 +5,11 @@ turn, each in a fresh group with a 2 s collective timeout. Each test asserts wha
 raised: the operations each rank was in (a checkpoint save against a forward, uneven batch counts,
 a skipped backward, differing gradient sync), the setting that differs (int8 all-gathers on one
 rank, reshard_after_forward), or the refusal of a state-dict read from a thread during a step; the
-backward check; the flight recorder's dumps. No test asserts a duration.
+backward check; the flight recorder's dumps; a thread reading state dicts during training.
+
+A second spawn runs the desync cases under the process group's default timeout (30 min with
+gloo) and a 1 s desync window: every rank names the desync within the window + 5 s of parting
+ways, and a rank that is only slow is waited for.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ def run(tmp_path_factory):
     by_rank = run_distributed(cases.run_cases, 2, names, store_dir, timeout=240)
     return {"outcomes": [{name: result for name, (result, _) in mine.items()} for mine in by_rank],
             "store_dir": store_dir}
+
+
+@pytest.fixture(scope="module")
+def desync(tmp_path_factory):
+    store_dir = str(tmp_path_factory.mktemp("desync"))
+    by_rank = run_distributed(cases.run_desync_cases, 2, list(cases.DESYNC_CASES), store_dir, timeout=240)
+    return {"by_rank": by_rank, "store_dir": store_dir}
 
 
 def _raised(run, case: str, kind: str, *fragments: str) -> list[str]:
@@ -91,9 +102,61 @@ def test_backward_check_agrees_then_costs_nothing(run):
     assert [by_rank["backward_check_agrees"] for by_rank in run["outcomes"]] == [("ok", False)] * 2
 
 
+def test_backward_check_of_gradient_accumulation_exchanges_once_per_combination(run):
+    # sync off, then on, in every step: both combinations are exchanged in the first step only
+    want = ("ok", ([True, True, False, False, False, False], [0, 0]))
+    assert [by_rank["backward_check_accumulation"] for by_rank in run["outcomes"]] == [want] * 2
+
+
 def test_threaded_state_dict_during_a_step_is_refused_on_both_ranks(run):
-    _raised(run, "threaded_state_dict_during_step", "RuntimeError", "runs a training step",
-            "ran a forward whose backward has not run yet", "(rank 0)")
+    rank0, rank1 = _raised(run, "threaded_state_dict_during_step", "RuntimeError",
+                           "a full state dict was requested from thread", "refused on this thread before any collective")
+    assert "runs a training step (unit '<root>' ran a forward whose backward has not run yet), on rank 0" in rank0
+    assert "on rank 1" in rank1
+
+
+def test_a_full_state_dict_from_a_thread_is_refused_before_any_collective(run):
+    # between two steps too: the training thread could start one right after any check
+    for rank, by_rank in enumerate(run["outcomes"]):
+        status, (head, message, sent) = by_rank["full_state_dict_from_a_thread"]
+        assert status == "ok" and head == ("error", "RuntimeError") and sent == 0, by_rank
+        assert f"trains the model (between two steps now), on rank {rank}" in message
+
+
+def test_a_reader_thread_gets_sharded_snapshots_and_training_is_unharmed(run):
+    # (same losses as without the reader, snapshots read, none mixing plain tensors, no error)
+    want = ("ok", (True, True, 0, []))
+    assert [by_rank["reader_thread_during_training"] for by_rank in run["outcomes"]] == [want] * 2
+
+
+@pytest.mark.parametrize("case, rank0, rank1", [
+    ("save_vs_forward", "rank 0 waits in the control exchange of checkpoint.save (step 1,",
+     "rank 1 waits in the all-gather of '0 .. 4 (3 units)' (forward, step 2,"),
+    ("uneven_batches_then_save", "rank 0 waits in the control exchange of checkpoint.save (step 2,",
+     "rank 1 waits in the all-gather of '0 .. 4 (3 units)' (forward, step 3,"),
+    ("skipped_backward", "rank 0 waits in the all-gather of '2' (backward, step 2,",
+     "rank 1 waits in the control exchange of checkpoint.save (step 2,"),
+    ("differing_gradient_sync", "rank 0 waits in the all-gather of '2' (backward, step 2,",
+     "rank 1 waits in the control exchange of the backward check (step 2)"),
+])
+def test_a_desync_is_named_on_every_rank_within_the_window(desync, case, rank0, rank1):
+    for outcomes in desync["by_rank"]:
+        (status, raised, message), seconds = outcomes[case]
+        assert (status, raised) == ("error", "CollectiveFailure"), (case, message)
+        assert "wait on collectives that cannot pair (found after the 1 s desync window)" in message, message
+        assert rank0 in message and rank1 in message, message
+        assert seconds < cases.DESYNC_WINDOW_S + 5, (case, seconds)  # not the 30 min timeout
+
+
+def test_a_slow_rank_is_waited_for_past_the_window(desync):
+    results = [outcomes["slow_not_desynced"] for outcomes in desync["by_rank"]]
+    assert all(result[0] == "ok" for result, _ in results), results
+    assert all(seconds >= 2 * cases.DESYNC_WINDOW_S for _, seconds in results), results
+
+
+def test_a_desync_dumps_every_rank(desync):
+    text = debug.diagnose(cases.trace_dir(desync["store_dir"], "skipped_backward"))
+    assert "2 dump(s) of a job of 2 rank(s) (rank 0: desync; rank 1: desync)" in text, text
 
 
 def test_the_dumps_give_the_same_diagnosis(run):

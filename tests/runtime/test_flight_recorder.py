@@ -207,3 +207,76 @@ def test_a_watchdog_timeout_dumps_at_once_and_names_the_position(tmp_path, monke
     with pytest.raises(CollectiveTimeout, match=r"(?s)did not complete.*rank 0 waits in the reduce-scatter of "
                                                 r"'layers.1'"):
         dog.raise_if_failed()
+
+
+def test_the_application_sets_the_step_its_collectives_belong_to():
+    root = _Owner()
+    flight.set_step(7)  # (the training job's step: evaluation batches and micro-batches count for nothing)
+    try:
+        for _ in range(3):
+            flight.exit_hook(flight.enter_hook("pre_forward", root, "<root>"))
+        assert flight.step() == 7 and flight.record("all_gather", (0, 1), 8).step == 7
+        with pytest.raises(TypeError, match="set_step: step must be an int"):
+            flight.set_step("8")
+    finally:
+        flight.set_step(None)
+    flight.exit_hook(flight.enter_hook("pre_forward", root, "<root>"))
+    assert flight.step() == 8  # counted again, from the step set last
+
+
+def test_a_sigterm_stop_handled_by_the_application_is_a_notice_not_an_error(tmp_path):
+    # the training job's own SIGTERM handler stops after the step: the dump is no error
+    code = ("import os, signal, time; from flashfsdp import log; from flashfsdp.debug import set_trace_dir; "
+            "log.configure(prefix='job'); stopped = []; signal.signal(signal.SIGTERM, lambda *a: stopped.append(1)); "
+            f"set_trace_dir({str(tmp_path)!r}); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.5); "
+            "assert stopped, 'the application handler did not run'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "ring written to" in proc.stderr and "error" not in proc.stderr, proc.stderr
+    assert json.loads((tmp_path / "flight" / "flight_rank0.json").read_text())["reason"] == "signal SIGTERM"
+
+
+_BLOCKED_RANK = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+rank, store, trace = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+from flashfsdp.debug import set_desync_window, set_trace_dir
+from flashfsdp.runtime.process_group import ProcessGroupCommunicator
+set_desync_window(0)  # (off: a plain gloo wait, blocked in C++ until the collective returns)
+set_trace_dir(trace)
+comm = ProcessGroupCommunicator()
+if rank == 1:
+    time.sleep(120)  # never issues the all-reduce
+open(trace + "/blocked", "w").close()
+comm.all_reduce(torch.ones(4)).wait()
+"""
+
+
+def test_sigterm_while_blocked_in_a_gloo_collective_dumps_at_once(tmp_path):
+    import time  # noqa: PLC0415
+
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-c", _BLOCKED_RANK, str(r), str(tmp_path / "store"), str(trace)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 90
+        while not (trace / "blocked").exists() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.1)
+        assert (trace / "blocked").exists(), procs[0].stderr.read() if procs[0].poll() is not None else "not blocked"
+        time.sleep(1.0)  # inside the all-reduce's wait now
+        procs[0].send_signal(signal.SIGTERM)
+        dump = trace / "flight" / "flight_rank0.json"
+        deadline = time.monotonic() + 5
+        while not dump.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dump.exists(), "no dump within 5 s of SIGTERM while blocked in the collective"
+        content = json.loads(dump.read_text())
+        assert content["reason"] == "signal SIGTERM" and content["position"]["waiting"]["kind"] == "all_reduce"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

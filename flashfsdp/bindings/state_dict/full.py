@@ -25,6 +25,7 @@ from flashfsdp.runtime.sharding_spec import is_dtensor
 from flashfsdp.runtime.tensor_parallel import TensorParallelSpec
 
 from ..state import FSDPState, TrainingState
+from ..concurrency import refuse_reader_thread
 from ..structure import check_same_structure
 
 
@@ -205,9 +206,11 @@ def get_full_state_dict(model: nn.Module, cpu_offload: bool = True, rank0_only: 
     Raises:
         TypeError: ``model`` is not a module, or a flag is not a bool.
         ValueError: ``model`` has no fully_shard'ed module; the units differ across ranks.
-        RuntimeError: called during forward/backward; a sharded entry that belongs to no unit.
+        RuntimeError: called during forward/backward; a sharded entry that belongs to no unit;
+            called from a thread other than the training thread (refused there, before any collective).
         Any error of one rank, on every rank (the rank named in the message).
     """
+    refuse_reader_thread(model)  # (a thread's request: refused before any collective)
     plan, error = None, None
     try:
         plan = _plan_get(model, cpu_offload, rank0_only)
@@ -442,8 +445,11 @@ def set_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
         NotImplementedError: the model has extra state (``get_extra_state``), which is not broadcast;
             a tensor-subclass parameter with FSDP2's all-gather extensions (its values are not the
             flat shard's this broadcasts into: load a sharded state dict).
+        RuntimeError: called from a thread other than the training thread (refused there, before
+            any collective).
         Any error of one rank, on every rank (the rank named in the message).
     """
+    refuse_reader_thread(model)  # (a thread's request: refused before any collective)
     plan, present, error = None, None, None
     try:
         plan = _plan_set(model, strict)

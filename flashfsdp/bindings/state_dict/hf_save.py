@@ -38,6 +38,7 @@ from flashfsdp.runtime.agreement import agree, global_rank
 from flashfsdp.runtime.extensions import refuse_subclass_params
 from flashfsdp.runtime.sharding_spec import is_dtensor
 
+from ..concurrency import refuse_reader_thread
 from ..state import FSDPState
 from ..structure import check_same_structure
 from .full import full_unit_params, param_owners, units_of
@@ -265,9 +266,11 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *,
             not a path, or ``max_shard_size`` of another kind.
         ValueError: no fully_shard'ed module; ``save_directory`` is a file; a bad size string.
         NotImplementedError: a tensor-subclass parameter with FSDP2's all-gather extensions.
-        RuntimeError: called during forward/backward.
+        RuntimeError: called during forward/backward, or from a thread other than the training
+            thread (refused there, before any collective).
         Any error of one rank (e.g. writing on rank 0), on every rank, naming the rank.
     """
+    refuse_reader_thread(model)  # (a thread's request: refused before any collective)
     plan, error = None, None
     try:
         plan = _plan(model, save_directory, max_shard_size)

@@ -87,6 +87,7 @@ def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, pref
     if state.holds_unsharded:  # (a detached unsharded view: same memory and shape as the parameter)
         by_unsharded = {_local_key(u): i for i, u in enumerate(map(state.unit.unsharded_param, range(len(params))))
                         if _has_storage(u)}
+    replaced = set()
     for key, value in list(state_dict.items()):
         if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
             continue
@@ -95,14 +96,34 @@ def _post_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, pref
             i = by_local.get(_local_key(value))
         if i is None and state.holds_unsharded and not is_dtensor(value) and _has_storage(value):
             i = by_unsharded.get(_local_key(value))
-        if i is None:
-            continue
-        param = params[i]
-        if isinstance(value, nn.Parameter):
-            state_dict[key] = param
-        else:
-            group, pos = state.unit.param_slots[i]
-            state_dict[key] = group.wrap_local(local_of(param).detach(), pos)
+        if i is not None:
+            state_dict[key] = _sharded_entry(state, params[i], i, value)
+            replaced.add(key)
+    _replace_unsharded_leftovers(state, module, state_dict, prefix, params, replaced)
+
+
+def _sharded_entry(state: FSDPState, param: torch.Tensor, i: int, value: torch.Tensor) -> torch.Tensor:
+    """The state dict's value of unit parameter ``i`` (``value``: what ``nn.Module`` put there)."""
+    if isinstance(value, nn.Parameter):
+        return param
+    group, pos = state.unit.param_slots[i]
+    return group.wrap_local(local_of(param).detach(), pos)
+
+
+def _replace_unsharded_leftovers(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str, params: list,
+                                 replaced: set) -> None:
+    """[Note: state dict from a reader thread] ``state_dict()`` called from another thread while the
+    training thread runs a step reads ``module._parameters`` when they hold the unsharded views,
+    and the training thread may reshard (free those views' memory, ``holds_unsharded`` False) before
+    this hook runs: the values are then not found by memory, and would stay plain full tensors over
+    freed memory beside the other units' DTensors (FSDP2: "mixed torch.Tensor and DTensor"; a later
+    read of that memory can crash the process). So every registration's key that still holds a
+    plain tensor gets its sharded DTensor: the state dict always holds the units' shards."""
+    for key, i in unit_param_keys(state, module):
+        key = prefix + key
+        value = state_dict.get(key)
+        if key not in replaced and isinstance(value, torch.Tensor) and not is_dtensor(value):
+            state_dict[key] = _sharded_entry(state, params[i], i, value)
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:
