@@ -8,6 +8,7 @@ A single process (W = 1) needs no process group: without ``torch.distributed`` i
 from flashfsdp import _torch_private  # noqa: F401 - first: the torch version check, then torch's private APIs
 from flashfsdp.bindings import (  # the PyTorch layer (transformers: imported when save_pretrained is called)
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -51,6 +52,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "clip_grad_norm_",
     "ShardedGradScaler",
     "all_gather_with_grad",

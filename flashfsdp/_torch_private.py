@@ -152,6 +152,16 @@ c10d_world = private("torch.distributed.distributed_c10d", "_world")
 get_registry = private("torch.distributed._composable.contract", "_get_registry")  # bindings/_init.py
 REGISTRY_KEY = private("torch.distributed._composable.contract", "REGISTRY_KEY")
 RegistryItem = private("torch.distributed._composable.contract", "RegistryItem")
+# bindings/torch_state.py: torch's own code (pipelining's PipelineStage.perform_reduce_grad) reads a
+# unit's state through torch's fully_shard.state(module), the @contract API's per-module state: a
+# dict in module.__dict__ under contract's STATE_KEY, keyed by the undecorated function.
+COMPOSABLE_STATE_KEY = private("torch.distributed._composable.contract", "STATE_KEY")
+# What PipelineStage.perform_reduce_grad (torch 2.13) reads of that state, in order: the state's
+# _state_ctx.all_states, each one's _fsdp_param_groups, each group's post_backward(), then the
+# state's _root_post_backward_final_callback(). bindings/torch_state.py answers exactly these;
+# tests/test_torch_private.py reads the installed torch's method and fails when the set changes.
+PIPELINING_STATE_READS = frozenset({"_state_ctx", "all_states", "_fsdp_param_groups", "post_backward",
+                                    "_root_post_backward_final_callback"})
 # bindings/elision.py (a checkpoint-wrapped unit recomputes, so it gathers in backward) and
 # train/activation_checkpointing.py (--activation-checkpointing, as torch's recipes apply it).
 _CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
@@ -203,3 +213,17 @@ def group_timeout(group) -> datetime.timedelta | None:
         except Exception:  # noqa: BLE001, S112 - that device has no backend here: try the next
             continue
     return None
+
+
+def set_composable_state(module, api, state) -> None:
+    """Make ``api.state(module)`` return ``state``, where ``api`` is a ``@contract``-decorated
+    composable API (torch's ``fully_shard``): its accessor reads ``module.__dict__[STATE_KEY][func]``,
+    ``func`` being the function the decorator wrapped (``api.__wrapped__``, from ``functools.wraps``).
+
+    Raises:
+        TypeError: ``api`` is not a ``@contract`` API (it has no ``state`` accessor or wrapped function).
+    """
+    func = getattr(api, "__wrapped__", None)
+    if func is None or not callable(getattr(api, "state", None)):
+        raise TypeError(f"set_composable_state: api must be a torch @contract API, got {api!r}")
+    module.__dict__.setdefault(COMPOSABLE_STATE_KEY, {})[func] = state

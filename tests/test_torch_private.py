@@ -46,7 +46,7 @@ BEHAVIOUR = {
     "current_graph_task_id", "will_engine_execute_node", "are_functorch_transforms_active", "DisableFuncTorch",
     "unsafe_set_version_counter", "profiler_enabled", "make_wrapper_subclass", "disabled_torch_function_impl",
     "DisableTorchFunctionSubclass", "aten_to_copy", "pytree", "foreach_copy_", "foreach_add_", "foreach_sub_",
-    "foreach_mul_", "foreach_mul", "foreach_norm", "foreach_zero_", "assert_async", "REGISTRY_KEY", "RegistryItem", "WrapPolicy",
+    "foreach_mul_", "foreach_mul", "foreach_norm", "foreach_zero_", "assert_async", "REGISTRY_KEY", "RegistryItem", "WrapPolicy", "COMPOSABLE_STATE_KEY",
     "saved_tensors_hooks_is_enabled", "top_saved_tensors_default_hooks", "set_code_exec_strategy",
     "FrameExecStrategy", "FrameAction", "ActivationWrapper", "CheckpointImpl",
     "apply_activation_checkpointing", "checkpoint_wrapper", "c10d_world", "DTensorSpec", "TensorMeta",
@@ -174,6 +174,58 @@ def test_optimizer_and_scaler_helpers():
     assert tp.get_scalar_dtype(is_fused=None) in (torch.float32, torch.float64)
     state = tp.refresh_per_optimizer_state()
     assert set(state) == {"stage", "found_inf_per_device"}
+
+
+def test_composable_state_is_what_torchs_fully_shard_state_answers():
+    # torch's pipelining reads a unit's state through torch's fully_shard.state(module)
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    module, state = nn.Linear(2, 2), object()
+    assert fully_shard.state(module) is None
+    tp.set_composable_state(module, fully_shard, state)
+    assert fully_shard.state(module) is state
+    assert tp.COMPOSABLE_STATE_KEY in module.__dict__
+    with pytest.raises(TypeError, match="must be a torch @contract API"):
+        tp.set_composable_state(module, lambda m: m, state)
+
+
+def _pipelining_reads() -> set[str]:
+    """The attributes torch's ``PipelineStage.perform_reduce_grad`` reads, in the installed torch,
+    on what ``fully_shard.state(module)`` returned, on its ``all_states`` and on their param groups."""
+    import textwrap  # noqa: PLC0415
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase  # noqa: PLC0415
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(_PipelineStageBase.perform_reduce_grad)))
+    roots = {"distributed_state"}  # the state, then the names its loops bind from it
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+            base = node.iter
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in roots:
+                roots.add(node.target.id)
+    reads = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in roots:
+                reads.update(chain)
+    return reads
+
+
+def test_pipelining_reads_of_an_fsdp_state_are_the_ones_flashfsdp_answers():
+    # torch's pipelining reaches into fully_shard.state(stage_module) after the micro-batches:
+    # bindings/torch_state.py answers these names; a torch that reads another one fails here
+    assert _pipelining_reads() == tp.PIPELINING_STATE_READS
+    from flashfsdp.bindings import torch_state  # noqa: PLC0415
+
+    answered = {name for cls in (torch_state.TorchStateView, torch_state.StateContextView,
+                                 torch_state.ParamGroupView) for name in dir(cls)}
+    assert tp.PIPELINING_STATE_READS - {"_state_ctx"} <= answered  # _state_ctx: set in __init__
 
 
 def test_composable_registry():

@@ -53,7 +53,9 @@ def _registration_columns(self: "FSDPState") -> tuple:
 def adopt_module_params(self: "FSDPState") -> None:
     """After ``module.to(...)`` / ``to_empty`` (FSDPModule._apply): take the converted pieces
     back into the flat storage (see ``ShardedUnit.adopt``), re-register them everywhere, and
-    follow a meta-device unit to the device it was materialised on."""
+    follow a meta-device unit to the device it was materialised on; there, with
+    ``set_unsharded_init`` on, its parameters enter the init window (``runtime/init_window.py``),
+    else they stay FSDP2's DTensors, initialised by DTensor's own (per-shard) random ops."""
     registered = [regs[0][0]._parameters[regs[0][1]] for regs in self.registrations]
     was_meta, old_device = self.unit.device.type == "meta", self.unit.device
     offload = any(g.offload for g in self.unit.groups)
@@ -69,7 +71,7 @@ def adopt_module_params(self: "FSDPState") -> None:
     self._tracked_requires_grad = None
     if self.unit.device != old_device:
         _rebuild_communicator(self)
-    if was_meta and self.unit.device.type != "meta":
+    if was_meta and self.unit.device.type != "meta" and self.unsharded_init:
         open_init_window([p for g in self.unit.groups for p in g.sharded_params])
 
 

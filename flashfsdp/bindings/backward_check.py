@@ -7,9 +7,12 @@ without a sign; of unequal ones: an abort) or waits until its timeout, NCCL hang
 of a step's backward, before any of its collectives is issued,
 :func:`check_backward_units` exchanges one bit mask per communicator (per unit: does its backward
 run here, does it synchronise gradients) over the communicator's control group
-(``flashfsdp.runtime.control``), on the first step of a root and again whenever a unit's
-``requires_gradient_sync`` changed on this rank, and every rank raises the same error naming the
-first unit and the ranks that differ. Other steps cost nothing (one tuple comparison).
+(``flashfsdp.runtime.control``) the first time the root's units show a combination of
+``requires_gradient_sync`` flags on this rank (its first step, and each new combination after),
+and every rank raises the same error naming the first unit and the ranks that differ. A
+combination checked once is not exchanged again: gradient accumulation switches the flags back
+and forth each step (off for the micro-batches, on for the last; torch's pipelining twice per
+step), and those steps cost nothing after the first (one set lookup).
 
 Called by ``RootContext.check_backward`` (``root.py``) once per step, at the backward's first
 hook (a unit's pre-backward, else its first reduction), before any collective of the backward,
@@ -26,13 +29,13 @@ from typing import Sequence
 
 from flashfsdp.runtime import control, flight
 
-_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # root -> the sync flags last checked
+_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # root -> the sync flags checked
 
 
 def needs_check(root, states: Sequence) -> bool:
-    """Whether :func:`check_backward_units` would exchange: the root's first check, or a unit's
-    ``requires_gradient_sync`` changed since the last one."""
-    return _checked.get(root) != tuple(bool(s.requires_gradient_sync) for s in states)
+    """Whether :func:`check_backward_units` would exchange: the units' ``requires_gradient_sync``
+    flags form a combination not checked yet for this root (its first check included)."""
+    return tuple(bool(s.requires_gradient_sync) for s in states) not in _checked.get(root, ())
 
 
 def check_backward_units(root, states: Sequence, running: Sequence) -> None:
@@ -50,9 +53,10 @@ def check_backward_units(root, states: Sequence, running: Sequence) -> None:
         control.ControlMismatch: a rank is in another operation (e.g. another step).
     """
     flags = tuple(bool(s.requires_gradient_sync) for s in states)
-    if _checked.get(root) == flags:
+    seen = _checked.setdefault(root, set())
+    if flags in seen:
         return
-    _checked[root] = flags
+    seen.add(flags)
     running_ids = {id(s) for s in running}
     by_comm: dict[int, list] = {}
     for state in states:

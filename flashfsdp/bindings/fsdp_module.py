@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from flashfsdp.runtime.init_window import close_init_windows
 
@@ -25,8 +26,10 @@ from .elision import end_forward, set_enabled
 from .state import FSDPState
 
 
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+class UnshardHandle(TorchUnshardHandle):
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard. A
+    subclass of torch's ``torch.distributed.fsdp.UnshardHandle`` (as FSDP2's own handle is), so
+    ``isinstance(handle, UnshardHandle)`` holds for either import."""
 
     def __init__(self, state: FSDPState | None):
         self._state = state
@@ -133,12 +136,19 @@ class FSDPModule(TorchFSDPModule):
         for state in states_of(self, recurse, "set_reshard_after_backward"):
             state.settings.reshard_after_backward = bool(reshard_after_backward)
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free the unsharded parameters after forward (re-gather in backward) or keep them.
 
         An explicit value like this one is followed exactly, by the root too (as FSDP2's setter);
         only ``fully_shard``'s default (None) keeps the root and the last unit before it unsharded.
+        ``recurse`` may be given positionally, as in FSDP2.
+
+        Raises:
+            ValueError: ``reshard_after_forward`` is not a bool (an int group size is for
+                ``fully_shard`` only), as FSDP2 raises; or this module was never passed to ``fully_shard``.
         """
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for state in states_of(self, recurse, "set_reshard_after_forward"):
             state.settings.set_reshard_after_forward(bool(reshard_after_forward))
 
@@ -175,6 +185,27 @@ class FSDPModule(TorchFSDPModule):
         optimizer will read."""
         state_of(self, "set_is_last_backward").set_is_last_backward(bool(is_last_backward))
 
+    def set_unsharded_init(self, enabled: bool = True, *, recurse: bool = True) -> None:
+        """flashfsdp only: initialise a meta-device model as the unsharded model would be.
+
+        By default, as in FSDP2, the parameters after ``to_empty`` are DTensors and an init
+        (``reset_parameters()``, ``init_weights()``) runs DTensor's ops on them: a random op draws
+        each rank's chunk on its own, so the values are FSDP2's, not those the unsharded model gets
+        from the same seed. With this on (call it before ``to_empty``), ``to_empty`` opens the
+        init window (``runtime/init_window.py``): until the model's first use each parameter acts
+        as its full-shape tensor, every rank draws the full values and keeps its rows, so the
+        shards hold exactly the unsharded model's values at any world size. ``recurse``: also
+        every fully_shard'ed module below this one.
+
+        Raises:
+            TypeError: ``enabled`` is not a bool.
+            ValueError: this module was never passed to ``fully_shard``.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_unsharded_init: enabled must be a bool, got {enabled!r}")
+        for state in states_of(self, recurse, "set_unsharded_init"):
+            state.unsharded_init = enabled
+
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: all-reduce the reduce-scattered gradients across replicas (True, the default) or
         only reduce-scatter them (False): the shards are then summed, without gradients, until a
@@ -196,14 +227,15 @@ class FSDPModule(TorchFSDPModule):
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor` (as in FSDP2)."""
-        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning,
-                      stacklevel=2)
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only ever reduce with SUM. flashfsdp always does (the divide is a scale in the pack and
-        post-reduce kernels), so this changes nothing; accepted for compatibility."""
-        state_of(self, "set_force_sum_reduction_for_comms").force_sum_reduction = bool(enable)
+        post-reduce kernels), so the gradients do not change; what an all-reduce hook
+        (:meth:`set_all_reduce_hook`) receives does, as in FSDP2: the sum instead of the average."""
+        state = state_of(self, "set_force_sum_reduction_for_comms")
+        state.force_sum_reduction = state.unit.force_sum_reduction = bool(enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Give parameters that got no gradient on any rank a zero gradient (True) instead of None
@@ -213,11 +245,16 @@ class FSDPModule(TorchFSDPModule):
             state.unit.reduce_unused_params = bool(reduce_scatter_unused_params)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
-        """Call ``hook(reduce_output)`` on each reduce-scatter output of this unit before it is
-        divided and accumulated: this rank's flat shard of a parameter group (1-D, ``reduce_dtype``,
-        padding included), e.g. for a user's own all-reduce across replicas; under HSDP, on the
-        output of the all-reduce across replicas (as FSDP2). On CUDA it runs on ``stream``
-        (default: the reduce-scatter stream) ordered after the reduce-scatter.
+        """Call ``hook(reduce_output)`` on each reduction of this unit before it is accumulated,
+        with FSDP2's tensor: 1-D, ``reduce_dtype``, this rank's chunk of every parameter that got a
+        gradient (padded to ``ceil(dim0 / W)`` rows, as FSDP2 pads it), back to back in parameter
+        order, averaged over the ranks (the sum under ``set_force_sum_reduction_for_comms(True)``;
+        fp16 reductions: pre-divided, as FSDP2); e.g. for a user's own all-reduce across replicas.
+        What the hook writes into it is what gets accumulated (then divided by the rest). Under
+        HSDP it runs on the output of the all-reduce across replicas (as FSDP2). One call per flat
+        group of trainable parameters (a unit whose parameters differ in dtype has several). On
+        CUDA it runs on ``stream`` (default: the reduce-scatter stream) ordered after the
+        reduction (``runtime/reduce.py``, [Note: all-reduce hook]).
 
         Raises:
             TypeError: ``hook`` is not callable.

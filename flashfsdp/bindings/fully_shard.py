@@ -5,7 +5,8 @@ module owns, shards it across the mesh's ranks at once (the module's parameters 
 local pieces, so an optimizer can be built right after), and installs the forward hooks that
 unshard and reshard it. Call it bottom-up: on the blocks first, then on the root. A list of modules
 makes one unit of all of them (FSDP2's module grouping). Modules may live on the meta device:
-``to_empty`` then materialises only this rank's shards (see ``runtime/init_window.py``). A single process
+``to_empty`` then materialises only this rank's shards, DTensors initialised by DTensor's ops as
+FSDP2's (``set_unsharded_init``: as the unsharded model, ``runtime/init_window.py``). A single process
 needs no process group: without ``torch.distributed`` initialised (and no ``WORLD_SIZE`` > 1 in
 the environment) a unit has W = 1 and trains as a plain module.
 
@@ -50,14 +51,15 @@ from . import _init
 from .fsdp_module import FSDPModule
 from .mixed_precision import MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState
-from .state_dict.optimizer import register_optimizer_step_hooks
+from .optimizer_hooks import register_optimizer_hooks
 from .state_dict.sharded import install_state_dict_hooks
+from .torch_state import install_torch_state
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable | None = None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: OffloadPolicy | None = None, ignored_params: Iterable[nn.Parameter] | None = None,
-                communicator: str | Communicator = "auto"):
+                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params: Iterable[nn.Parameter] | None = None,
+                dp_mesh_dims=None, communicator: str | Communicator = "auto"):
     """Shard ``module``'s parameters across ranks as one unit (FSDP / ZeRO-3).
 
     Args:
@@ -68,8 +70,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
             (replicate, shard) for HSDP (see [Note: HSDP]). None: the default process group, or a
             single rank (W = 1) when torch.distributed is not initialised. With tensor parallelism:
             the DP dim(s) of the TP mesh's mesh, ``mesh["dp"]`` (``runtime/tensor_parallel.py``).
-        reshard_after_forward: True, False, an int k dividing W (ZeRO++ hpZ) or None (the
-            default); see [Note: reshard_after_forward].
+        reshard_after_forward: True, False, an int k dividing W (ZeRO++ hpZ) or None (the default); see
+            [Note: reshard_after_forward].
         shard_placement_fn: FSDP2's per-parameter placement: called once per parameter with the
             full (unsharded) parameter, it returns ``Shard(k)`` (any dim of it, negative counted
             from the end) or None (``Shard(0)``); the sharded parameter is then a DTensor placed
@@ -77,15 +79,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
             chunk along k (see [Note: shard placements] in ``_init.py``).
         mp_policy: ``param_dtype`` for forward/backward, ``reduce_dtype`` for the reduce-scatter
             (flashfsdp's or torch's ``MixedPrecisionPolicy``).
-        offload_policy: None or ``OffloadPolicy()`` (no offloading), or ``CPUOffloadPolicy``
-            (flashfsdp's or torch's); see [Note: CPU offload].
+        offload_policy: ``OffloadPolicy()`` (the default) or None: no offloading; ``CPUOffloadPolicy``
+            (flashfsdp's or torch's): see [Note: CPU offload].
         ignored_params: parameters left as they are (not sharded, gradients not reduced).
-        communicator: "auto" (NCCL through CuPy for CUDA modules, the process group otherwise),
-            "nccl", "process_group", or a ``Communicator`` (with ``mesh``: over the mesh's group; of
-            a 2-D mesh, over its shard group: the replicate group gets a communicator of its kind).
+        dp_mesh_dims: None only (torch 2.13's SPMD-mesh form is refused: :func:`_check_dp_mesh_dims`).
+        communicator: "auto" (NCCL through CuPy for CUDA modules, else the process group), "nccl", "process_group",
+            or a ``Communicator`` (over the mesh's group; HSDP: its shard group, the replicate one gets its kind).
 
-    Returns:
-        ``module`` (or the list), whose classes now also derive from :class:`FSDPModule`.
+    Returns ``module`` (or the list), whose classes now also derive from :class:`FSDPModule`.
 
     Raises:
         ValueError: a module already fully_shard'ed; an empty list; parameters on several devices; a
@@ -97,9 +98,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
             ``offload_policy``, ``shard_placement_fn`` (not callable) or ``reshard_after_forward``.
         RuntimeError: W > 1 requested (``WORLD_SIZE`` set) but torch.distributed not initialised.
         NotImplementedError: a ``ShardPlacementResult`` from ``shard_placement_fn``; what tensor
-            parallelism does not support (``TensorParallelSpec``, ``reshard_after_forward=<int>``).
+            parallelism does not support (``TensorParallelSpec``, ``reshard_after_forward=<int>``); ``dp_mesh_dims``.
     """
     modules = _init.check_modules(module)
+    _check_dp_mesh_dims(dp_mesh_dims, mesh)
     mp_policy = _init.check_mp_policy(mp_policy)
     offload, pin_memory = _init.check_offload_policy(offload_policy)
     _init.check_communicator_kind(communicator)
@@ -114,6 +116,28 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None, reshard_after
                                  reshard_after_forward, mp_policy, offload, pin_memory, shard_dims)
     _install(modules, unit, collected, mp_policy, resolved, (groups.shard, communicator), target)
     return module
+
+
+def _check_dp_mesh_dims(dp_mesh_dims, mesh) -> None:
+    """Refuse torch 2.13's SPMD-mesh form, saying what to pass instead.
+
+    FSDP2 then takes ``mesh`` as the whole SPMD mesh and every parameter (and, in forward, every
+    input) as a DTensor on it, ``Replicate()`` on the data-parallel dims; flashfsdp's units shard
+    plain or 1-D tensor-parallel parameters over the data-parallel mesh alone.
+
+    Raises:
+        NotImplementedError: ``dp_mesh_dims`` is not None; the message names the submesh to pass.
+    """
+    if dp_mesh_dims is None:
+        return
+    shard = getattr(dp_mesh_dims, "shard_names", None)
+    replicate = getattr(dp_mesh_dims, "replicate_names", ())
+    names = tuple(replicate or ()) + tuple(shard or ())
+    submesh = f"mesh[{names!r}]" if len(names) > 1 else f"mesh[{names[0]!r}]" if names else "the data-parallel submesh"
+    raise NotImplementedError(
+        f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (parameters as DTensors on the whole SPMD mesh {mesh}) is not "
+        f"supported by flashfsdp: pass the data-parallel submesh, fully_shard(module, mesh={submesh}), with plain "
+        f"parameters, or tensor-parallel ones from parallelize_module on the tensor-parallel submesh")
 
 
 def _build_unit(modules, collected, groups: _init.MeshGroups, mesh, communicator, device, target,
@@ -171,7 +195,8 @@ def _install(modules, unit: ShardedUnit, collected, mp_policy: MixedPrecisionPol
         # state_dict() yields each unit parameter as its sharded DTensor (also inside forward, when
         # the module holds the unsharded ones); load_state_dict() writes into the shard (state_dict/sharded.py).
         install_state_dict_hooks(m, state)
-    register_optimizer_step_hooks()
+    install_torch_state(modules, state)  # torch.distributed.fsdp.fully_shard.state(m): torch_state.py
+    register_optimizer_hooks()  # one step pre- and post-hook for all optimizers: optimizer_hooks.py
     _adopt_nested(collected.nested, state)
 
 

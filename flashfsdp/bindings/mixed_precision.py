@@ -68,6 +68,12 @@ class MixedPrecisionPolicy:
                 "all_gather_dtype=torch.int8)")
 
 
+try:  # torch 2.13's class, exported as FSDP2 exports it (fully_shard refuses dp_mesh_dims: fully_shard.py)
+    from torch.distributed.fsdp import DataParallelMeshDims  # noqa: F401
+except ImportError:  # an older torch, or one built without distributed
+    DataParallelMeshDims = None
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     """No offloading (FSDP2's default ``offload_policy``)."""

@@ -3,43 +3,16 @@
 ``fully_shard`` replaces every parameter of a unit by this rank's sharded piece (a new
 ``nn.Parameter``), exactly as FSDP2 replaces them by DTensors. An optimizer built before holds the
 replaced originals: stepping them changes tensors the model no longer uses, so nothing trains and
-no error says so. ``_init.mark_taken`` tags each original with ``_flashfsdp_taken_by``; a global
-optimizer step-pre-hook (registered by the first root's lazy init) raises at the first step of an
-optimizer that holds one.
-
-Cost for correct use: each optimizer's parameters are scanned at its first step and again only
-when its ``param_groups`` change (another group, or a group's list replaced or resized); every other
-step costs one weak-dictionary look-up and a comparison of a tuple of (list id, length) per group.
+no error says so. ``_init.mark_taken`` tags each original with ``_flashfsdp_taken_by``; the step
+pre-hook (``optimizer_hooks.py``) raises at the first step of an optimizer that holds one, looking
+again only when its ``param_groups`` change.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _TAKEN = "_flashfsdp_taken_by"  # set by _init.mark_taken on the parameters fully_shard replaced
-_scanned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
-_handle = None
-
-
-def register_optimizer_check() -> None:
-    """Register (once per process) the step-pre-hook that runs :func:`check_optimizer`."""
-    global _handle
-    if _handle is None:
-        _handle = register_optimizer_step_pre_hook(_on_step)
-
-
-def _signature(optimizer: torch.optim.Optimizer) -> tuple:
-    return tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
-
-
-def _on_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    signature = _signature(optimizer)
-    if _scanned.get(optimizer) != signature:
-        check_optimizer(optimizer)
-        _scanned[optimizer] = signature
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -70,7 +70,6 @@ from itertools import chain, repeat
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from flashfsdp._torch_private import foreach_copy_
 from flashfsdp.runtime.flat_runs import FlatStates, Run
@@ -85,7 +84,6 @@ from .optimizer_runs import ELEMENTWISE, Param, cover, group_runs, has_own_grad,
 _plans: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
 _handed: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan]" = weakref.WeakKeyDictionary()
 _flat_states: "weakref.WeakKeyDictionary[torch.optim.Optimizer, FlatStates]" = weakref.WeakKeyDictionary()
-_handles: tuple = ()
 
 
 class _Run:
@@ -354,17 +352,17 @@ def _contents(state: dict) -> _Same | None:
     return _Same(list(state) + inner + values.items, values.lengths)
 
 
-def register_optimizer_local_step() -> None:
-    """Register (once per process) the step pre- and post-hooks described in the module docstring."""
-    global _handles
-    if not _handles:
-        _handles = (register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step))
-
-
-def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def restore(optimizer: torch.optim.Optimizer) -> None:
+    """Before any step of ``optimizer``: put back what its last step left handed over (it raised,
+    so torch ran no post-hook); nothing otherwise."""
     plan = _handed.pop(optimizer, None)
-    if plan is not None:  # its last step raised: put its parameters back first
+    if plan is not None:
         plan.put_back(optimizer)
+
+
+def pre_step(optimizer: torch.optim.Optimizer) -> None:
+    """Before the step of an optimizer holding flashfsdp's parameters (``optimizer_hooks.py``,
+    after :func:`restore`): hand over the runs of its plan (built again where it no longer holds)."""
     if type(optimizer) not in ELEMENTWISE or torch.compiler.is_compiling():
         return
     plan = _plans.get(optimizer)
@@ -401,7 +399,8 @@ def _build(optimizer: torch.optim.Optimizer) -> _Plan | None:
         return _Plan(optimizer, handed, flat_states)
 
 
-def _post_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def post_step(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer``'s step: put back what :func:`pre_step` handed over."""
     plan = _handed.pop(optimizer, None)
     if plan is not None:
         plan.put_back(optimizer)

@@ -26,8 +26,6 @@ from flashfsdp.runtime.tree import map_tensors
 
 from . import backward_check, elision
 from .autograd import outside_functorch
-from .optimizer_check import register_optimizer_check
-from .optimizer_local_step import register_optimizer_local_step
 from .structure import check_same_structure
 
 BUCKET_BYTES_ENV = "FLASHFSDP_BUCKET_BYTES"
@@ -247,8 +245,6 @@ def init_root(self) -> None:
     # Before any all-gather (a model that differs by rank would abort it); a refused setting on
     # one rank alone is raised on every rank.
     check_same_structure(states, error)
-    register_optimizer_check()
-    register_optimizer_local_step()  # after the check: it reads the parameters as given
     ctx = RootContext(self, states, PrefetchPolicy(max_inflight=self.max_inflight), self.is_last_backward,
                       self.bucket_bytes if self.bucket_bytes_set else default_bucket_bytes())
     for state in states:

@@ -100,6 +100,7 @@ class FSDPState:
         self.requires_gradient_sync = True
         self.force_sum_reduction = False  # flashfsdp always reduces with SUM
         self.is_last_backward = True  # read by the root (set_is_last_backward)
+        self.unsharded_init = False  # set_unsharded_init: to_empty opens the init window (adopt.py)
         self.training_state = TrainingState.IDLE
         self.parent: FSDPState | None = None  # the state of the enclosing fully_shard call
         self.ctx: RootContext | None = None
@@ -456,6 +457,17 @@ class FSDPState:
         (a post-forward slice, or unsharded parameters while resharding after backward)."""
         return self.unit.state is ShardState.SECONDARY or (
             self.holds_unsharded and self.settings.reshard_after_backward and self.unit.state is not ShardState.SHARDED)
+
+    def run_post_backward(self) -> None:
+        """FSDP2's ``post_backward()`` called by hand (torch's pipelining, ``torch_state.py``): reduce
+        what the unit holds (its micro-batches' gradients accumulated without sync, gradients set
+        on its unsharded parameters), then end its backward (reshard unless told to keep the
+        parameters). Nothing to reduce and nothing held: nothing happens but the state change."""
+        if self.ctx is None:
+            return
+        if self.needs_reduction():
+            self.ctx.step.gradients_ready(self)
+        self._finish_backward()
 
     def _finish_backward(self) -> None:
         """Reshard after backward (unless asked to keep the parameters) and mark the unit done."""

@@ -8,7 +8,9 @@ each rank's chunk from the rank's own generator: the values then differ from wha
 model gets from the same seed (FSDP2 on CPU, or without torch's DTensor RNG tracker), and
 rank-local tensor code (``trunc_normal_`` samples by rejection) sees only the chunk.
 
-So from ``to_empty`` until the model is first used (a forward, a state dict, an optimizer step,
+So, where the unit asks for it (``FSDPModule.set_unsharded_init``; by default the parameters
+stay FSDP2's DTensors and DTensor's random ops draw per shard, as FSDP2's do), from ``to_empty``
+until the model is first used (a forward, a state dict, an optimizer step,
 gradient clipping, another ``module.to``: see :func:`close_init_windows`), each sharded
 parameter's class is swapped to :class:`ShardedInitParameter` (the same object: optimizers built
 meanwhile keep it). Inside this *init window*:

@@ -19,6 +19,16 @@ with f_pre the power of two near sqrt(W) (FSDP1, ``_get_gradient_predivide_facto
 whole division happens after the sum (f_pre = 1), as a single-process mean would. Under HSDP, W is
 the whole data-parallel size R·S (FSDP2's ``_get_gradient_divide_factors``).
 
+[Note: all-reduce hook]
+``set_all_reduce_hook``'s hook gets FSDP2's reduce output (``foreach_reduce``): the padded chunks
+(``ceil(d_i / W)`` rows each) of the parameters that got a gradient on this rank (all trainable
+ones with ``reduce_unused_params``), back to back in ``reduce_dtype``, without the flags and the
+alignment gaps of the segment, divided as FSDP2 divides them before its hook
+(:func:`fsdp2_hook_division`: the average for fp32/bf16, the sum under
+``force_sum_reduction``, pre-divided for fp16). What the hook writes into it is copied back and
+the accumulation divides by the rest. One call per trainable flat group and reduction (FSDP2:
+per parameter group, one per unit unless its parameters differ in dtype).
+
 [Note: HSDP all-reduce]
 With replicas (``unit.replicate_comm``), the reduce-scattered shard (summed over the S ranks of
 the shard group, pre-divided) is all-reduced (summed) across the R replicas before the
@@ -69,6 +79,19 @@ def divide_factors(unit: "ShardedUnit", reduce_dtype: torch.dtype) -> tuple[floa
         total = float(unit.gradient_divide_factor)
         return (1.0, total) if f_pre == 1.0 else (f_pre, total / f_pre)
     return f_pre, f_post
+
+
+def fsdp2_hook_division(total: float, reduce_dtype: torch.dtype, force_sum: bool) -> float:
+    """What FSDP2 has divided the summed gradients by when its all-reduce hook sees them, the
+    whole division being ``total`` (``_get_gradient_divide_factors``): all of it for fp32 and bf16
+    reductions (AVG, or PREMUL_SUM by 1/factor), nothing with ``force_sum``, and for other dtypes
+    (fp16) the power-of-two pre-divide near sqrt(total)."""
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return 1.0 if force_sum else total
+    pre = 1
+    while total % pre == 0 and total / pre > pre:
+        pre *= 2
+    return float(pre)
 
 
 def segment_numel(layout: ShardLayout, params: int) -> int:
@@ -177,11 +200,24 @@ class PendingReduce:
         return out
 
     def _run_all_reduce_hook(self) -> None:
-        unit, streams = self.unit, self.unit.streams
+        """Call the unit's all-reduce hook on FSDP2's reduce output (see [Note: all-reduce hook])
+        and take back what the hook wrote; the accumulation then divides by what is left."""
+        unit, streams, out, rl = self.unit, self.unit.streams, self.output, self.rlayout
+        f_pre, f_post = divide_factors(unit, out.dtype)
+        before = fsdp2_hook_division(f_pre * f_post, out.dtype, unit.force_sum_reduction)
+        shard = out[: rl.layout.shard_size]
+        if f_pre != before:
+            shard.mul_(f_pre / before)
+        regions = [shard[rl.layout.offsets[k] : rl.layout.offsets[k] + rl.layout.padded_numel(k)]
+                   for k, i in enumerate(rl.keep) if self.local[i] or unit.reduce_unused_params]
+        view = torch.cat(regions) if regions else out.new_empty(0)
         with streams.use(unit.all_reduce_hook_stream):
-            unit.all_reduce_hook(self.output)
+            unit.all_reduce_hook(view)
         if unit.all_reduce_hook_stream is not None:
             streams.reduce_scatter.wait_stream(unit.all_reduce_hook_stream)
+        for region, value in zip(regions, view.split([r.numel() for r in regions])):
+            region.copy_(value)
+        self.post_scale = before / (f_pre * f_post)
 
     def _wait_reduce_scatter(self) -> None:
         # On CPU the compute thread itself waits here; on CUDA the reduce-scatter stream does

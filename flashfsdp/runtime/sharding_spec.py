@@ -106,7 +106,9 @@ class ShardingSpec:
         ``nn.Parameter`` makes a tensor subclass one, but without its ``detach()``, which would
         rebuild the wrapper through torch's constructor (see [Note: DTensor wrapper storage offset])."""
         if self.mesh is None:
-            return nn.Parameter(local, requires_grad=requires_grad)
+            param = nn.Parameter(local, requires_grad=requires_grad)
+            setattr(param, SHARDED_ATTR, True)
+            return param
         param = self.wrap(local, shape, dim)
         param.requires_grad_(requires_grad)
         param._is_param = True  # what nn.Parameter.__new__ marks a tensor subclass with

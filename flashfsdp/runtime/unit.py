@@ -164,8 +164,9 @@ class ShardedUnit:
         self._make_groups(params, fqns, offload, pin_memory, shard_dims)
         self.state = ShardState.SHARDED
         self._all_gather: AllGatherResult | None = None
-        self.all_reduce_hook = None  # FSDPModule.set_all_reduce_hook: called on each reduce-scatter output
+        self.all_reduce_hook = None  # FSDPModule.set_all_reduce_hook: called on FSDP2's reduce output (reduce.py)
         self.all_reduce_hook_stream = None
+        self.force_sum_reduction = False  # set_force_sum_reduction_for_comms: what the hook sees (reduce.py)
         self.rs_comm: Communicator | None = None  # set_separate_reduce_scatter_group
         self.reduce_unused_params = False  # set_reduce_scatter_unused_params: zeros instead of None
         # FSDPModule.set_gradient_divide_factor: the gradients are the sum over ranks divided by it

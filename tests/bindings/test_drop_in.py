@@ -414,6 +414,7 @@ def _meta_init(rank, world_size, tmp):
         model = Net()
     _shard_net(model)
     assert all(p.device.type == "meta" for p in model.parameters())
+    model.set_unsharded_init()  # the init window: the unsharded model's values (default: FSDP2's)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     for m in model.modules():
@@ -460,6 +461,7 @@ def _init_on_full_shape(rank, world_size, name):
     with torch.device("meta"):
         model = nn.Linear(6, 5)
     fully_shard(model)
+    model.set_unsharded_init()
     model.to_empty(device="cpu")
     assert model.weight.shape == (5, 6)  # the full shape, inside the init window as after it
     torch.manual_seed(1)

@@ -1,4 +1,6 @@
-"""An optimizer built before fully_shard holds parameters the model no longer uses: its step raises."""
+"""An optimizer built before fully_shard holds parameters the model no longer uses: its step raises.
+flashfsdp's step hooks are one pre- and one post-hook for the process, acting only for optimizers
+that hold its parameters."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from flashfsdp import fully_shard
-from flashfsdp.bindings import optimizer_check
+from flashfsdp.bindings import optimizer_check, optimizer_hooks, optimizer_local_step
 
 
 def _step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
@@ -69,3 +71,24 @@ def test_a_stale_parameter_added_later_is_refused():
     optim.param_groups[0]["params"].append(stale)  # same list, one more entry: scanned again
     with pytest.raises(RuntimeError, match=r"holds 1 parameter\(s\) .*\['params'\]\[4\] of shape \(2, 4\)"):
         _step(model, optim)
+
+
+def test_one_step_hook_each_way_acting_only_for_optimizers_of_flashfsdp_parameters(monkeypatch):
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks  # noqa: PLC0415
+
+    model = _sharded_model()
+    ours = [h for h in _global_optimizer_pre_hooks.values() if h.__module__.startswith("flashfsdp")]
+    theirs = [h for h in _global_optimizer_post_hooks.values() if h.__module__.startswith("flashfsdp")]
+    assert len(ours) == 1 and len(theirs) == 1
+    calls = []
+    for module, name in [(optimizer_hooks, "close_init_windows"), (optimizer_hooks, "shards_written"),
+                         (optimizer_local_step, "pre_step"), (optimizer_local_step, "post_step")]:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+    other = nn.Linear(4, 2)  # a second model, not sharded: its optimizer runs nothing of flashfsdp's
+    foreign = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(torch.randn(2, 4)).sum().backward()
+    foreign.step()
+    assert calls == []
+    _step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert calls == ["close_init_windows", "pre_step", "shards_written", "post_step"]

@@ -151,8 +151,11 @@ class Impl:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
         return norm.full_tensor() if self.is_sharded(norm) else norm
 
-    def count_collectives(self) -> contextlib.AbstractContextManager[CollectiveCounts]:
-        """Count the all-gathers, reduce-scatters and all-reduces the implementation issues inside."""
+    def count_collectives(self, functional: bool = True) -> contextlib.AbstractContextManager[CollectiveCounts]:
+        """Count the all-gathers, reduce-scatters and all-reduces the implementation issues inside;
+        ``functional=False``: not DTensor's functional collectives (counted under ``CommDebugMode``,
+        whose module tracker hooks every module's inputs and so cannot run inside
+        ``torch.autograd.grad`` over leaf inputs, as torch's pipelining runs its backward)."""
         raise NotImplementedError
 
     def fsdp_modules(self, model: nn.Module) -> list[nn.Module]:
@@ -169,7 +172,7 @@ class TorchImpl(Impl):
 
         super().__init__(fsdp)
 
-    def count_collectives(self):
+    def count_collectives(self, functional: bool = True):
         # torch >= 2.13 names the tensor collectives *_single; older releases *_into_tensor / *_tensor.
         return _counting((dist, _TORCH_COLLECTIVES))
 
@@ -192,16 +195,17 @@ class FlashImpl(Impl):
         close_init_windows()
         return super().local(tensor)
 
-    def count_collectives(self):
+    def count_collectives(self, functional: bool = True):
         from flashfsdp.runtime.process_group import ProcessGroupCommunicator  # noqa: PLC0415
 
         # the units' collectives go through their communicators (flashfsdp's control-plane
         # collectives, e.g. the same-model check, through torch.distributed: not counted, as they
         # were not before); DTensor's (the stock clip_grad_norm_'s all-reduce) are functional
         # collectives, counted under CommDebugMode and added when the block ends
-        return _with_functional(_counting((ProcessGroupCommunicator, {"all_gather": ("all_gather_into_tensor",),
-                                                                      "reduce_scatter": ("reduce_scatter_tensor",),
-                                                                      "all_reduce": ("all_reduce",)})))
+        counting = _counting((ProcessGroupCommunicator, {"all_gather": ("all_gather_into_tensor",),
+                                                         "reduce_scatter": ("reduce_scatter_tensor",),
+                                                         "all_reduce": ("all_reduce",)}))
+        return _with_functional(counting) if functional else counting
 
 
 @contextlib.contextmanager

@@ -543,7 +543,7 @@ def set_reduce_scatter_divide_factor_deprecated_name(rank, world_size, impl):
     import warnings  # noqa: PLC0415
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         return _divide_factor_parity(rank, world_size, impl, world_size * 2, "set_reduce_scatter_divide_factor")
 
 

@@ -478,7 +478,7 @@ back at the next forward); each time its
 
 @cases.case(torch_reason="flashfsdp's init window: a sharded parameter acts as its full-shape tensor")
 def meta_init_window_shard_last_dim(rank, world_size, impl):
-    """flashfsdp: a meta-device model sharded on every parameter's last dim, ``to_empty``, then
+    """flashfsdp: a meta-device model sharded on every parameter's last dim, ``set_unsharded_init()``, ``to_empty``, then
     initialised through full-shape ops on the sharded parameters (the init window): the chunks
     written back are DTensor's chunks of the reference's values."""
     torch.manual_seed(42)
@@ -487,6 +487,7 @@ def meta_init_window_shard_last_dim(rank, world_size, impl):
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 4))
     impl.fully_shard(model, shard_placement_fn=lambda param: Shard(-1))
+    model.set_unsharded_init()
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p, q in zip(model.parameters(), ref.parameters()):

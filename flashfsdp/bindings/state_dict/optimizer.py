@@ -18,21 +18,9 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from flashfsdp.runtime.flat_param import shards_written
 from flashfsdp.runtime.init_window import close_init_windows
-
-_step_hooks = None
-
-
-def register_optimizer_step_hooks() -> None:
-    """Register (once per process) the global step hooks: the init windows close before a step
-    (it reads the parameters' own values), and the shard epoch advances after it."""
-    global _step_hooks
-    if _step_hooks is None:
-        _step_hooks = (register_optimizer_step_pre_hook(lambda *_: close_init_windows()),
-                       register_optimizer_step_post_hook(lambda *_: shards_written()))
 
 
 def _check_optimizer(model: Any, optimizer: Any, where: str) -> None:
