@@ -32,10 +32,10 @@ setup(
         "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13", "triton>=3.4"],
         "test": ["triton>=3.4", "pytest", "pytest-timeout", "hypothesis", "matplotlib", "expecttest",
                  "transformers>=5", "safetensors", "tensorboard", "tokenizers", "datasets", "wandb", *CLIENTS],
-        # flashfsdp-train --tensorboard and --tokenizer (--wandb: pip install wandb)
-        "train": ["tensorboard", "tokenizers"],
+        # flashfsdp-train's loss.png, --tensorboard and --tokenizer (--wandb: pip install wandb)
+        "train": ["matplotlib", "tensorboard", "tokenizers"],
         "hf": ["transformers>=5", "safetensors"],  # flashfsdp.save_pretrained, flashfsdp-train export
-        "bench": ["matplotlib"],
+        "bench": ["matplotlib"],  # the benchmarks' plots (python -m benchmarks...)
         "clients": CLIENTS,
         "titan": ["torchtitan==0.3.0"],  # tests/clients/test_torchtitan.py
     },

@@ -16,12 +16,15 @@ from flashfsdp_cli.train_sections import (  # noqa: F401 - re-exported: the comm
 
 PROG = "flashfsdp-train"
 EXPORT_PROG = f"{PROG} export"
+# Where a run goes without --out (`runs/<preset>-<time>`), and where export looks without --out.
+RUNS = "runs"
 
 _COMMANDS = f"""commands:
   {PROG} [options]
       train (the options above)
   {EXPORT_PROG} --out RUN --to DIR [--step N]
-      a run's checkpoint as a transformers LlamaForCausalLM folder (see {EXPORT_PROG} --help)
+      a run's checkpoint as a transformers LlamaForCausalLM folder; without --out, the
+      newest run under {RUNS}/ (see {EXPORT_PROG} --help)
 """
 
 
@@ -68,7 +71,8 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser = Parser(prog=EXPORT_PROG, description="Convert a run's newest checkpoint into a Hugging Face "
                                                   "LlamaForCausalLM folder (config.json + model.safetensors, "
                                                   "and the run's tokenizer).")
-    parser.add_argument("--out", metavar="RUN", required=True, help="the run directory (flashfsdp-train --out)")
+    parser.add_argument("--out", metavar="RUN", help=f"the run directory (flashfsdp-train --out; default: the "
+                                                      f"newest run under {RUNS}/, the last one started or resumed)")
     parser.add_argument("--to", metavar="DIR", required=True, help="the folder to write (created)")
     parser.add_argument("--step", type=int, metavar="N", help="the checkpoint after N steps (default: the newest)")
     return parser

@@ -19,8 +19,14 @@ Reliability, module by module:
 - ``checksums.py``: CRC-32 of every file, computed as DCP writes it, verified by ``load`` before
   anything is loaded (``verify=False`` skips it).
 - ``loading.py``: everything is checked before the model is touched ([Note: load is
-  all-or-nothing up to the shard files]); ``saving.py`` / ``loading.py``: an error on one rank is
-  raised on every rank (``flashfsdp.runtime.agreement``), so no rank waits in a collective.
+  all-or-nothing up to the shard files]), the model's sharding included (``matching.py``: a
+  DTensor whose local chunk is not the one its placements describe cannot be filled by DCP);
+  ``saving.py`` / ``loading.py``: an error on one rank is raised on every rank
+  (``flashfsdp.runtime.agreement``), so no rank waits in a collective.
+- ``arguments.py``: the ranks compare their arguments (the path above all) before anything is
+  written or read; a difference is an error on every rank naming each rank's value.
+- ``space.py``: a write that finds no room (a full disk or quota, a file size limit) is raised as
+  the ``OSError`` it was, naming the file and the bytes needed, not as torch's zip-writer error.
 
 [Note: trust model]
 A checkpoint directory is data: ``load`` runs no code from it. DCP's ``.metadata`` is unpickled

@@ -21,7 +21,26 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from .space import explain, free_bytes, no_room
+
 CHUNK = 8 << 20  # bytes read at a time when verifying
+
+
+class _RecordingFile(io.FileIO):
+    """A file opened for writing (``wb``) that records the first ``OSError`` of its writes in
+    ``errors`` (``"error"``: (the error, the file)): torch's zip writer reports a refused write
+    only as "unexpected pos", losing it (see ``space.py``)."""
+
+    def __init__(self, path, errors: dict):
+        super().__init__(path, "wb")
+        self._errors = errors
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except OSError as exc:
+            self._errors.setdefault("error", (exc, os.fspath(self.name)))
+            raise
 
 
 class _ChecksummingStream(io.BufferedWriter):
@@ -41,34 +60,64 @@ class _ChecksummingStream(io.BufferedWriter):
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording the CRC-32 of each ``.distcp`` file it writes."""
+    """DCP's local file system, recording the CRC-32 of each ``.distcp`` file it writes, and the
+    first write error of any file it writes (``errors``)."""
 
     def __init__(self, checksums: dict[str, int]):
         super().__init__()
         self.checksums = checksums
+        self.errors: dict = {}
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
-        if mode != "wb" or not str(path).endswith(".distcp"):
+        if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with _ChecksummingStream(io.FileIO(os.fspath(path), "wb")) as stream:
+        with _ChecksummingStream(_RecordingFile(os.fspath(path), self.errors)) as stream:
             yield stream
-        self.checksums[Path(path).name] = stream.crc
+        if str(path).endswith(".distcp"):
+            self.checksums[Path(path).name] = stream.crc
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` that also checksums the shard files this rank writes.
+    """DCP's ``FileSystemWriter`` that also checksums the shard files this rank writes, and
+    raises a write that found no room as the ``OSError`` it was (see ``space.py``).
 
     After ``dcp.save``, :attr:`checksums` maps each of this rank's shard file names
-    (``__<rank>_<i>.distcp``) to its CRC-32. Arguments as ``FileSystemWriter``.
+    (``__<rank>_<i>.distcp``) to its CRC-32, and :attr:`needed` is the bytes this rank planned
+    to write (None before its plan). Arguments as ``FileSystemWriter``.
     """
 
     def __init__(self, path: str | os.PathLike, **kwargs):
         super().__init__(path, **kwargs)
         self.checksums: dict[str, int] = {}
         self.fs = _ChecksummingFileSystem(self.checksums)
+        self.needed: int | None = None
+        self._free = free_bytes(os.fspath(path))
+
+    def write_data(self, plan, planner):
+        """``FileSystemWriter.write_data``; a write that found no room raises ``space.explain``'s
+        ``OSError`` (naming the file and the bytes needed) instead of torch's "unexpected pos"."""
+        self.needed = sum((item.tensor_storage_size() or 0) if item.bytes_io_data is None
+                          else item.bytes_io_data.nbytes for item in plan.items)
+        return self._explained(lambda: super(ChecksummingWriter, self).write_data(plan, planner))
+
+    def finish(self, metadata, results) -> None:
+        """``FileSystemWriter.finish`` (DCP's ``.metadata``, on the coordinator), a write that
+        found no room explained as in :meth:`write_data`."""
+        self._explained(lambda: super(ChecksummingWriter, self).finish(metadata, results))
+
+    def _explained(self, action):
+        try:
+            return action()
+        except Exception as exc:
+            recorded = self.fs.errors.get("error")
+            error = no_room(recorded[0] if recorded else exc)
+            if error is None:
+                raise
+            file = recorded[1] if recorded else os.fspath(self.path)
+            raise explain(error, file, self.needed, self._free) from exc
 
 
 def crc32_of_file(file: str) -> int:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
+
+from .space import explain, free_bytes, no_room
 
 
 def check_path(path: Any, where: str) -> str:
@@ -18,12 +21,25 @@ def check_path(path: Any, where: str) -> str:
 
 
 def write_file(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` durably (temporary file, fsync, rename)."""
+    """Write ``data`` to ``path`` durably (temporary file, fsync, rename).
+
+    Raises:
+        OSError: the write failed (the temporary file is removed); one that found no room
+            (ENOSPC, EDQUOT, EFBIG) names ``path`` and the bytes it needed (``space.explain``).
+    """
     tmp = f"{path}.part"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    free = free_bytes(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if no_room(exc) is None:
+            raise
+        raise explain(exc, path, len(data), free) from exc
     os.replace(tmp, path)
 
 

@@ -23,15 +23,16 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flashfsdp.runtime import flight
-from flashfsdp.runtime.agreement import agree, global_rank, global_world_size
+from flashfsdp.runtime.agreement import agree, agree_and_gather, global_rank, global_world_size
 from flashfsdp.bindings import set_optimizer_state_dict
 
+from .arguments import argument, check_same
 from .atomic import newest_copy, recovery_message
 from .checksums import check, verify_share
 from .common import check_model_optimizer, dcp_state, failures, short, single_process_quiet
 from .files import check_path
 from .marker import EXTRA, METADATA, read_marker
-from .matching import check_against
+from .matching import check_against, check_shards
 from .safe_metadata import DisallowedGlobal, SafeFileSystemReader, WeightsOnlyLoadPlanner, load_metadata
 
 
@@ -40,7 +41,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """Load a checkpoint written by :func:`~flashfsdp.checkpoint.save` into ``model`` (and
     ``optimizer``), at any world size.
 
-    Collective. The checkpoint is checked first on every rank (marker, DCP metadata, every shard
+    Collective: every rank names the same checkpoint and passes an optimizer, or None, as every
+    other (compared before anything is read: a difference is an error on every rank naming the
+    argument and each rank's value). The checkpoint is checked first on every rank (marker, DCP metadata, every shard
     file, ``extra.pt``, the checksums, every parameter's name and shape), then DCP reads each rank's
     pieces straight into the sharded parameters and optimizer state (resharding as needed), and
     ``model.load_state_dict`` / :func:`~flashfsdp.set_optimizer_state_dict`
@@ -72,7 +75,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             names a disallowed global (a crafted file: nothing was run); a file fails its checksum
             (named, with the entries it holds); a shard file is truncated; it has no optimizer
             state but ``optimizer`` was given; a parameter, buffer, optimizer state or
-            hyperparameter is missing or has another shape (named).
+            hyperparameter is missing or has another shape (named); the ranks passed different
+            paths, or an optimizer on some ranks only (each rank's value named).
         TypeError: a bad argument type.
         OSError: a file of the checkpoint cannot be read (e.g. PermissionError).
         RuntimeError: DCP failed to read a shard file on some rank (names the ranks and errors;
@@ -90,15 +94,26 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
 
 def _checked(path, model, optimizer, verify) -> tuple[dict, dict]:
-    """The checkpoint and arguments checked on every rank and agreed (an error on one is raised on
-    all, the model and optimizer unchanged): (what ``_check_checkpoint`` found, the DCP state dict
-    to read into)."""
-    fresh = isinstance(optimizer, torch.optim.Optimizer) and not optimizer.state
-    error = checked = state = None
+    """The checkpoint checked on every rank and the arguments compared across ranks, in one
+    exchange (an error on one rank is raised on all; then a difference: ``arguments.check_same``),
+    before any state dict is taken (its getters may communicate); then the model checked against
+    it and agreed, the model and optimizer unchanged on any error: (what ``_check_checkpoint``
+    found, the DCP state dict to read into)."""
+    error = checked = state = mine = None
     try:
         checked = _check_checkpoint(path, model, optimizer, verify)
+        mine = {"path": argument(check_path(path, "load")),
+                "optimizer": argument(None if optimizer is None else type(optimizer).__name__)}
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_and_gather
+        error = exc
+    check_same("load", agree_and_gather(error, mine),
+               "every rank must load the same checkpoint (a directory on a file system all ranks "
+               "share), with an optimizer on every rank or on none; nothing was loaded")
+    fresh = isinstance(optimizer, torch.optim.Optimizer) and not optimizer.state
+    try:
         state = dcp_state(model, optimizer)  # DSD gives a fresh optimizer its (zero) state here
         check_against(checked["source"], checked["metadata"], state, model)
+        check_shards(checked["source"], state, model)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
     try:

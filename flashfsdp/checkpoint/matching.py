@@ -54,3 +54,31 @@ def check_against(path: str, metadata, state: dict[str, Any], model: nn.Module) 
         raise ValueError(f"load: checkpoint {path} has model key(s) {extra_keys[:5]}"
                          f"{' ...' if len(extra_keys) > 5 else ''} (parameters or buffers) that the model does "
                          f"not have; load it into the model it was saved from")
+
+
+def check_shards(path: str, state: dict[str, Any], model: nn.Module) -> None:
+    """Every DTensor DCP is to read into is one this process can fill: its local tensor is the
+    chunk its placements give this rank (the chunk DCP reads into it: DCP would otherwise fail
+    partway through the read, the model half loaded).
+
+    Raises:
+        ValueError: naming the entry, its mesh and what to do.
+    """
+    from flashfsdp._torch_private import flatten_state_dict  # noqa: PLC0415
+    from flashfsdp.runtime.sharding_spec import is_dtensor  # noqa: PLC0415
+
+    kinds = {name: "parameter" for name, _ in model.named_parameters(remove_duplicate=False)}
+    for key, value in flatten_state_dict(state)[0].items():
+        if not is_dtensor(value):
+            continue
+        what, ranks = describe(key, kinds), value.device_mesh.mesh.flatten().tolist()
+        chunks = value.__create_chunk_list__()
+        local = tuple(value.to_local().shape)
+        planned = tuple(chunks[0].sizes) if chunks else local
+        if planned != local:
+            raise ValueError(f"load: {what}: this rank holds a local chunk of shape {local}, but its placements "
+                             f"{tuple(value.placements)} on the device mesh of ranks {ranks} give it a chunk of shape "
+                             f"{planned} (e.g. a mesh whose order of ranks is not its process group's): DCP cannot "
+                             f"reshard checkpoint {path} into it; shard the model on a mesh built with "
+                             f"init_device_mesh (ranks in order), or load a full state dict "
+                             f"(flashfsdp.set_full_state_dict)")

@@ -16,9 +16,11 @@ from flashfsdp.runtime import flight
 from flashfsdp.runtime.agreement import agree, agree_and_gather, global_rank, global_world_size
 
 from . import atomic
+from .arguments import argument, check_same
 from .checksums import ChecksummingWriter, crc32_of_file
 from .common import check_model_optimizer, dcp_state, failures, single_process_quiet
 from .files import check_path
+from .space import no_room
 from .marker import EXTRA, MARKER, METADATA, new_marker
 
 
@@ -26,12 +28,13 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
          step: int, extra: dict | None = None) -> str:
     """Save a sharded checkpoint of ``model`` (and ``optimizer``) into the directory ``path``, atomically.
 
-    Collective: every rank calls it with the same ``path`` on a file system all ranks share. Each
-    rank writes only its own pieces (DCP) and checksums them as it writes; see [Note: atomic save]
-    and [Note: recovery] in ``flashfsdp.checkpoint.atomic`` for how a crash at any point leaves a
-    complete checkpoint that ``load`` and ``latest`` find. An error on one rank (a bad argument,
-    a failed write, a failed rename on rank 0) is raised on every rank. Works at W = 1 without
-    torch.distributed initialised.
+    Collective: every rank calls it with the same ``path`` (on a file system all ranks share),
+    ``step``, ``optimizer`` (or None) and ``extra``, compared before anything is written. Each
+    rank writes only its own pieces (DCP) and checksums them as it writes; see [Note: atomic
+    save] and [Note: recovery] in ``flashfsdp.checkpoint.atomic`` for how a crash at any point
+    leaves a complete checkpoint that ``load`` and ``latest`` find. An error on one rank (a bad
+    argument, a failed write, a failed rename on rank 0) is raised on every rank. Works at W = 1
+    without torch.distributed initialised.
 
     What is replaced: a flashfsdp checkpoint already at ``path`` (a directory holding
     :data:`~flashfsdp.checkpoint.MARKER`; the whole directory, files added to it by hand included)
@@ -55,10 +58,14 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Raises:
         (every error is raised on every rank; at W > 1 the message ends with the failing rank)
         TypeError / ValueError: a bad argument (the message names it); nothing is written then.
+        ValueError: the ranks passed different arguments ("save: the ranks passed different
+            arguments: path is '/a/x' on rank 0, '/b/x' on rank 1; ..."); nothing is written.
         FileExistsError: ``path`` holds something that is not a flashfsdp checkpoint (named);
             nothing is written.
         RuntimeError: writing failed on some rank (naming the failed ranks and their errors, DCP's
             ``CheckpointException`` as the cause); ``path`` is untouched.
+        OSError: (ENOSPC, EDQUOT, EFBIG) no room for a rank's files: "No space left on device
+            writing FILE", the bytes needed and free; ``path`` untouched, the scratch removed.
         OSError: rank 0 could not create, finish or rename the directory; the newest complete
             checkpoint of ``path`` is still there or in a hidden sibling, where ``load`` finds it.
     """
@@ -92,15 +99,25 @@ def _scratch_removed_on_error(path: str) -> Iterator[None]:
 
 
 def _checked(path, model, optimizer, step, extra) -> tuple[str, bytes, dict]:
-    """``save``'s arguments checked on every rank and agreed (an error on one is raised on all):
-    (absolute path, the serialised ``extra``, the DCP state dict)."""
-    error = extra_bytes = state = None
+    """``save``'s arguments checked on every rank and agreed (an error on one is raised on all),
+    and the same on every rank (``arguments.check_same``, in the same exchange): (absolute path,
+    the serialised ``extra``, the DCP state dict)."""
+    error = extra_bytes = state = mine = None
     try:
         path = check_path(path, "save")
         check_model_optimizer(model, optimizer, "save")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"save: step must be an int >= 0, got {step!r}")
         extra_bytes = _serialise_extra(extra)
+        mine = {"path": argument(path), "step": argument(step),
+                "optimizer": argument(None if optimizer is None else type(optimizer).__name__),
+                "extra": argument(zlib.crc32(extra_bytes), extra or {})}
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+        error = exc
+    check_same("save", agree_and_gather(error, mine),
+               "every rank must call save with the same path (a directory on a file system all ranks "
+               "share), step, optimizer (or None on every rank) and extra; nothing was written")
+    try:  # once the ranks agree that they save the same: the state dict getters may communicate
         state = dcp_state(model, optimizer)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
@@ -118,8 +135,15 @@ def _write(path: str, tmp: str, state: dict) -> dict[str, int]:
         with single_process_quiet():
             dcp.save(state, storage_writer=writer, no_dist=global_world_size() == 1)
     except CheckpointException as exc:  # a BaseException: make it an ordinary, readable error
-        raise RuntimeError(f"save: writing checkpoint {path} failed on rank(s) {failures(exc)}; the "
-                           f"checkpoints already in {os.path.dirname(path)} are intact") from exc
+        message = (f"save: writing checkpoint {path} failed on rank(s) {failures(exc)}; the checkpoints "
+                   f"already in {os.path.dirname(path)} are intact")
+        full = next((e for e in (no_room(err[0]) for err in exc.failures.values()) if e is not None), None)
+        if full is None:
+            raise RuntimeError(message) from exc
+        # every rank is here (DCP raised the same failures on all): what the whole checkpoint needs
+        needed = agree_and_gather(None, writer.needed)
+        total = f" (all ranks together: {sum(needed)} bytes)" if None not in needed and len(needed) > 1 else ""
+        raise OSError(full.errno, message + total) from exc
     return writer.checksums
 
 

@@ -14,8 +14,9 @@ the command line to the runtime:
 - `config`: the frozen `TrainConfig` built once from the command line, one section of each
   kind (`flashfsdp_cli.train_sections`: typed dataclasses whose fields generate the options and
   the TOML keys; the parser: `flashfsdp_cli.train_options`);
-- `config_file`: --config FILE.toml, one table per section (the flat keys of old files still
-  load, with a deprecation notice); `run_file`: run.json, the resolved sections and the run's
+- `config_file`: --config FILE.toml, one table per section, read and checked by
+  `flashfsdp_cli.config_file` before torch is imported (the flat keys of old files still load,
+  with a deprecation notice); `run_file`: run.json, the resolved sections and the run's
   resumptions (an old flat run.json still resumes);
 - `precision`: the dtype names parsed into torch dtypes, once, and the run's one
   `MixedPrecisionPolicy`;
@@ -27,6 +28,8 @@ the command line to the runtime:
 - `run_lock`: one run per output folder (an exclusive lock on `<out>/run.lock`);
 - `hf_config` / `hf_names` / `pretrained`: --init-from, a transformers Llama folder's config,
   names and weights, loaded unit by unit; `freezing`: --freeze;
+- `export` / `hf_tokenizer` / `hf_special`: `flashfsdp-train export`, a run as a transformers
+  folder with its tokenizer and special tokens (without --out: the newest run under runs/);
 - `trainer`: `Trainer` (train_step, evaluate, save, train) and `run_worker`, one rank's job;
 - `sharding`: the meta-device build, sharding (--reshard-after-forward) and gradient clipping
   through flashfsdp;

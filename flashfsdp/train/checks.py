@@ -18,7 +18,7 @@ from flashfsdp.train.config import TrainConfig, UsageError
 from flashfsdp.train.data import Corpus, CorpusError, ShardedBatchSampler, load_corpus
 from flashfsdp.train.freezing import check_freeze
 from flashfsdp.train.launch import under_torchrun
-from flashfsdp.train.pretrained import weight_files
+from flashfsdp.train.pretrained import check_weights
 from flashfsdp.train.tokenizer import load_tokenizer
 
 GiB = 2**30
@@ -367,7 +367,7 @@ def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
     check_fit(config, world_size, local_world, corpus.train.numel() + corpus.val.numel())
     check_freeze(config.model.freeze, config.llama)
     if config.model.init_from is not None and not resume:
-        weight_files(config.model.init_from)  # safetensors weights are there (read unit by unit later)
+        check_weights(config.model.init_from, config.llama)  # headers and shapes (read unit by unit later)
     if training.compile:
         from flashfsdp.train.sharding import check_compile  # noqa: PLC0415 - only for --compile
 

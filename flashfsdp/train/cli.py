@@ -19,8 +19,9 @@ from tqdm import tqdm
 from flashfsdp import log
 from flashfsdp.train.checks import check_nproc, check_writable, validate
 from flashfsdp.train.config import PROG, TrainConfig, UsageError, parse_options
-from flashfsdp.train.launch import launch, launched_by_us, under_torchrun, worker_world
-from flashfsdp.train.run_lock import RunLock
+from flashfsdp.train.launch import launch, launched_by_us, under_torchrun, worker_parent, worker_world
+from flashfsdp.train.run_lock import RunLock, register_worker
+from flashfsdp.train.stopping import watch_parent
 
 
 def _tqdm_line(line: str) -> None:
@@ -58,12 +59,16 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(argv[1:])
     worker = under_torchrun()
     lock = None
+    if worker:  # a worker ends with its launcher ([Note: a launcher killed alone] in stopping.py)
+        watch_parent(worker_parent(), PROG)
     try:
         configure_logging(argv)
         # Our own workers repeat the checks of their parent but not its warnings.
         config = TrainConfig.from_argv(argv, warn=not (worker and launched_by_us()))
         log.set_log_ranks(config.logging.log_ranks)
         if worker:
+            if launched_by_us():  # the run directory is ours until we end, whatever our launcher does
+                register_worker(config.run.out)
             world_size, local_world = worker_world()
         else:
             world_size = local_world = check_nproc(config.run.nproc, config.run.device)

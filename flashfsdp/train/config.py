@@ -28,11 +28,12 @@ from flashfsdp.train.errors import UsageError
 from flashfsdp.train.hf_config import llama_config
 from flashfsdp.train.loggers import check_installed
 from flashfsdp.train.precision import Precision
+from flashfsdp.train.pretrained import lm_head_differs, untied_warning
 from flashfsdp.train.run_file import RESUMPTIONS, RUN_CONFIG, load_run_file, write_run_file  # noqa: F401
 from flashfsdp.train.tokenizer import tokenizer_vocab_size
 from flashfsdp_cli.config_fields import build_sections
 from flashfsdp_cli.train_options import (  # noqa: F401 - the parser's names, also used from here
-    DEFAULT_TIMEOUT_S, DTYPE_ALIASES, DTYPE_NAMES, PRESET_TRAINING, PROG, Parser, build_parser, parse_options)
+    DEFAULT_TIMEOUT_S, DTYPE_ALIASES, DTYPE_NAMES, PRESET_TRAINING, PROG, RUNS, Parser, build_parser, parse_options)
 from flashfsdp_cli.train_sections import (
     OPTIONS, SECTIONS, CheckpointSection, DataSection, EvalSection, LoggingSection, ModelSection, OptimizerSection,
     RunSection, ShardingSection, TrainingSection, check_values)
@@ -164,15 +165,16 @@ class TrainConfig:
                 or without a saved run; any error of `TrainConfig` itself.
         """
         path, values = parse_options(argv)
-        if path is not None:
-            for key, value in file_values(path, warn=warn).items():
-                if values[key] is None:
-                    values[key] = value
+        values = file_values(values, path, warn=warn)
         values["run.device"] = resolve_device(values["run.device"] or "auto")
         if values["checkpoint.resume"]:
             _take_saved(values, warn)
         _fill_defaults(values)
-        return cls.from_values(values)
+        config = cls.from_values(values)
+        folder = config.model.init_from
+        if warn and folder is not None and llama_config(folder).tie_embeddings and lm_head_differs(folder):
+            _log.warning(untied_warning(folder))
+        return config
 
     def save(self, resumptions: list[dict] | None = None) -> None:
         """Write the config to `<out>/run.json` (read back by `--resume`), atomically, with the
@@ -213,8 +215,12 @@ def load_saved_config(out: str) -> TrainConfig:
 
 
 def _pretrained_model(folder: str, seq_len: int | None, tokenizer: str | None) -> LlamaConfig:
-    """The `LlamaConfig` of --init-from `folder`, checked against the tokenizer's vocabulary."""
+    """The `LlamaConfig` of --init-from `folder`, checked against the tokenizer's vocabulary; a
+    tied config.json whose weights hold a different lm_head is untied, as transformers does
+    (`flashfsdp.train.pretrained.lm_head_differs`; `from_argv` warns)."""
     config = llama_config(folder, seq_len)
+    if config.tie_embeddings and lm_head_differs(folder):
+        config = dataclasses.replace(config, tie_embeddings=False)
     vocab = tokenizer_vocab_size(tokenizer)
     if vocab > config.vocab_size:
         raise UsageError(f"--init-from {folder}: the tokenizer's {vocab} ids do not fit the model's "
@@ -280,5 +286,5 @@ def _fill_defaults(values: dict) -> None:
     if values["model.init_from"] is not None and values["data.tokenizer"] is None:
         beside = os.path.join(values["model.init_from"], "tokenizer.json")
         values["data.tokenizer"] = beside if os.path.isfile(beside) else None
-    default("run.out", os.path.join("runs", f"{values['model.preset']}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    default("run.out", os.path.join(RUNS, f"{values['model.preset']}-{time.strftime('%Y%m%d-%H%M%S')}"))
     values["run.out"] = os.path.abspath(values["run.out"])

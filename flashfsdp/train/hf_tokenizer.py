@@ -26,9 +26,11 @@ def byte_tokenizer():
     return tokenizer
 
 
-def run_tokenizer(path: str | None, transformers):
+def run_tokenizer(path: str | None, transformers, special=None):
     """The run's tokenizer (`TrainConfig.data.tokenizer`: a tokenizer.json, or None for bytes) as a
-    `transformers.PreTrainedTokenizerFast`, to `save_pretrained` beside the model.
+    `transformers.PreTrainedTokenizerFast`, to `save_pretrained` beside the model, naming the
+    special tokens and chat template of `special` (a `flashfsdp.train.hf_special.SpecialTokens`;
+    None: none), which its tokenizer_config.json then carries.
 
     Raises:
         Exception: the tokenizers package's own error for a tokenizer.json it cannot read.
@@ -37,4 +39,7 @@ def run_tokenizer(path: str | None, transformers):
         return transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer())
     from tokenizers import Tokenizer  # noqa: PLC0415
 
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(path))
+    named = {} if special is None else dict(special.tokens)
+    if special is not None and special.chat_template is not None:
+        named["chat_template"] = special.chat_template
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(path), **named)

@@ -57,6 +57,8 @@ SHUTDOWN_TIMEOUT_S = 300
 
 # Set in the environment of the workers `launch` starts: their parent already validated.
 _LAUNCHED_ENV = "FLASHFSDP_TRAIN_LAUNCHED"
+# The pid of the launcher (the elastic agent's process: the workers' parent), for the workers.
+_LAUNCHER_PID_ENV = "FLASHFSDP_TRAIN_LAUNCHER_PID"
 
 
 def under_torchrun() -> bool:
@@ -73,6 +75,13 @@ def run_id() -> str:
 def launched_by_us() -> bool:
     """True in a worker started by `launch` (rather than by a user's torchrun)."""
     return os.environ.get(_LAUNCHED_ENV) == "1"
+
+
+def worker_parent() -> int:
+    """The pid of the process that started this worker and must outlive it: `flashfsdp-train`'s
+    launcher (recorded in the workers' environment), else its parent now (a user's torchrun)."""
+    recorded = os.environ.get(_LAUNCHER_PID_ENV, "") if launched_by_us() else ""
+    return int(recorded) if recorded.isdigit() else os.getppid()
 
 
 def worker_world() -> tuple[int, int]:
@@ -133,7 +142,8 @@ def loopback_interface() -> str | None:
 
 
 def _worker_environment(nproc: int, device_type: str) -> None:
-    """Set the environment the workers inherit: OMP_NUM_THREADS on CPU, `_LAUNCHED_ENV`,
+    """Set the environment the workers inherit: OMP_NUM_THREADS on CPU, `_LAUNCHED_ENV` and
+    `_LAUNCHER_PID_ENV`,
     PYTHONPATH leading with the checkout that holds this `flashfsdp`, and GLOO_SOCKET_IFNAME the
     loopback interface unless set (one node: gloo's sockets stay on loopback, whatever this host's
     name resolves to)."""
@@ -143,6 +153,7 @@ def _worker_environment(nproc: int, device_type: str) -> None:
     if loopback is not None and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
     os.environ[_LAUNCHED_ENV] = "1"
+    os.environ[_LAUNCHER_PID_ENV] = str(os.getpid())
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../flashfsdp
     root = os.path.dirname(package)
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -176,8 +187,9 @@ def _report_failure(err, out: str, run_id: str) -> int:
     if stopped is not None:
         return report_stop(PROG, out, run_id, stopped)
     rank, failure = err.get_first_failure()
-    print(f"{PROG}: error: worker rank {rank} exited with code {failure.exitcode}; "
-          "its message is above", file=sys.stderr)
+    killed = signal.Signals(-failure.exitcode).name if -failure.exitcode in signal.valid_signals() else None
+    print(f"{PROG}: error: worker rank {rank} " + (f"was killed by {killed}; the other workers' messages are above"
+          if killed else f"exited with code {failure.exitcode}; its message is above"), file=sys.stderr)
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
@@ -267,8 +279,9 @@ def agree_run_dir(config: TrainConfig, resume_from: str | None
             checkpoints (--out names different directories on different nodes, or one that not
             every node shares); the message lists what each rank found.
     """
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (config.run.out, resume_from, _agreed_values(config)))
+    from flashfsdp.runtime.agreement import all_gather_values  # noqa: PLC0415
+
+    everyone = all_gather_values((config.run.out, resume_from, _agreed_values(config)))
     differing = sorted(key for key in everyone[0][2] if len({repr(e[2].get(key)) for e in everyone}) > 1)
     if differing:
         found = "; ".join(f"{BY_KEY[key].flag} ({key}): "

@@ -135,7 +135,7 @@ def plot_losses(out: str, unigram: float) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        _log.warning("matplotlib is not installed; no loss plot (pip install matplotlib)")
+        _log.warning("matplotlib is not installed; no loss.png (pip install 'flashfsdp[train]')")
         return None
     train, val = read_metrics(out)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -166,19 +166,18 @@ def write_summary(out: str, summary: dict) -> str:
     rows = [
         ("parameters", f"{summary['params'] / 1e6:.2f}M"),
         ("ranks", f"{summary['world_size']} ({summary['device']})"),
-        ("steps", f"{summary['start_step']} -> {summary['step']}"),
+        ("steps", _steps(summary)),
         ("final train loss", _nats(summary["train_loss"], unit)),
         ("final val loss", _nats(summary["val_loss"], unit)),
         ("unigram baseline", _nats(summary["unigram_baseline"], unit)),
-        ("tokens/s", _throughput(summary)),
-        *([("model TFLOP/s per rank",
-            f"{summary['tflops_per_rank']:.3g} (MFU {format_mfu(summary.get('mfu'))})")]
+        ("tokens/s", _beside_segment(summary, _throughput, "tokens_per_s")),
+        *([("model TFLOP/s per rank", _beside_segment(summary, _tflops, "tflops_per_rank"))]
           if "tflops_per_rank" in summary else []),
         *([("fp16 steps skipped", f"{summary['overflow_steps']} (gradient overflow)")]
           if summary.get("overflow_steps") is not None else []),
         *([("trainable / frozen", _frozen(summary))] if "frozen_params" in summary else []),
         *([("interrupted", summary["interrupted"])] if summary.get("interrupted") else []),
-        ("wall time", f"{summary['wall_s']:.1f} s"),
+        ("wall time", _wall_time(summary)),
         ("peak memory/rank", _peak_memory(out, summary)),
         ("run directory", out),
     ]
@@ -210,6 +209,63 @@ def _frozen(summary: dict) -> str:
     return (f"{summary['trainable_params'] / 1e6:.2f}M / {summary['frozen_params'] / 1e6:.2f}M parameters "
             f"(saves ~{format_bytes(summary['frozen_saved_bytes_per_rank'])} per rank of gradients and "
             "AdamW state)")
+
+
+def whole_run(out: str, start_step: int) -> dict:
+    """{"run": the figures of every segment's steps} for a resumed run (`start_step` > 0), from
+    metrics.jsonl (a redone step's later record; each segment's first step left out as warm-up,
+    as the segment's own figures do): its first step, the steps timed, the seconds in them, and
+    tokens/s, per rank, model TFLOP/s per rank and MFU over that time; {} for a run's first segment."""
+    train, _ = read_metrics(out)
+    starts = {0, *resume_steps(out), start_step}
+    timed = [rec for step, rec in train.items() if step - 1 not in starts] or list(train.values())
+    seconds = sum(rec["step_ms"] for rec in timed) / 1000
+    if start_step == 0 or seconds <= 0:
+        return {}
+
+    def over_time(key: str) -> float | None:
+        values = [(rec.get(key), rec["step_ms"] / 1000) for rec in timed]
+        return None if any(v is None for v, _ in values) else sum(v * dt for v, dt in values) / seconds
+
+    return {"run": {"start_step": 0, "steps_timed": len(timed), "step_s": seconds,
+                    **{key: over_time(key) for key in ("tokens_per_s", "tokens_per_s_per_rank",
+                                                       "tflops_per_rank", "mfu")}}}
+
+
+def saved_losses(extra: dict) -> str:
+    """A checkpoint's losses (its `extra`) as text: "train loss 2.5203, val loss not measured at that step"."""
+    def loss(value: float | None) -> str:
+        return "not measured at that step" if value is None else f"{value:.4f}"
+
+    return f"train loss {loss(extra.get('train_loss'))}, val loss {loss(extra.get('val_loss'))}"
+
+
+def _steps(summary: dict) -> str:
+    """"0 -> 100 (this segment: 98 -> 100)" after a resume, else "0 -> 100"."""
+    segment = f"{summary['start_step']} -> {summary['step']}"
+    run = summary.get("run")
+    return segment if not run else f"{run['start_step']} -> {summary['step']} (this segment: {segment})"
+
+
+def _beside_segment(summary: dict, figure, key: str) -> str:
+    """`figure` of the whole run, the segment's beside it, after a resume (where the run's records
+    carry `key`); else the segment's."""
+    run = summary.get("run")
+    if not run or run.get(key) is None:
+        return figure(summary)
+    return f"{figure(run)} over the run; this segment {figure(summary)}"
+
+
+def _tflops(summary: dict) -> str:
+    """"0.0155 (MFU n/a)"."""
+    return f"{summary['tflops_per_rank']:.3g} (MFU {format_mfu(summary.get('mfu'))})"
+
+
+def _wall_time(summary: dict) -> str:
+    """"16.1 s", or after a resume "16.1 s this segment; 80.2 s in the run's timed steps"."""
+    run = summary.get("run")
+    wall = f"{summary['wall_s']:.1f} s"
+    return wall if not run else f"{wall} this segment; {run['step_s']:.1f} s in the run's timed steps"
 
 
 def _nats(x: float | None, unit: str = "byte") -> str:

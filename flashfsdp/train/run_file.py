@@ -77,3 +77,23 @@ def write_run_file(out: str, sections: dict[str, dict], resumptions: list[dict])
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump({**sections, RESUMPTIONS: list(resumptions)}, fh, indent=1)
     os.replace(tmp, os.path.join(out, RUN_CONFIG))
+
+
+def _typed(value: Any) -> str:
+    """An option value as a user types it: 0.001, true, "a, b" for a list; "unset" for None."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
+
+
+def describe_changes(changed: dict[str, list]) -> str:
+    """The options a resumption changed, as flags and typed values: "--nproc unset -> 1, --steps
+    100 -> 200" (`changed`: {dotted key: [before, after]}, a `resumptions` record's)."""
+    return ", ".join(f"{BY_KEY[key].flag if key in BY_KEY else key} {_typed(before)} -> {_typed(after)}"
+                     for key, (before, after) in sorted(changed.items()))

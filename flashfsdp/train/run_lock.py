@@ -13,6 +13,15 @@ found with a holder's record in it but not locked is the lock of a process that 
 taken over, with a message naming that process. A process that opened the file just before its
 holder unlinked it would lock an orphan inode: after locking, the inode must still be the one at
 the path, else it tries again.
+
+[Note: workers in the lock file] The launcher's workers are processes of their own: killed alone
+(SIGKILL), the launcher drops the lock while its workers still train into `--out`. They end soon
+after (each watches its parent: `flashfsdp.train.stopping.watch_parent`), after their current
+step and its checkpoint. Until then the run directory is still theirs: each worker appends its
+record (pid, host, and the process's start time from /proc, so that a reused pid is not taken
+for it) to the lock file (`register_worker`), one JSON object a line after the holder's, and
+`acquire` refuses a lock whose holder is gone while any of its workers on this host still runs,
+naming them. A holder that takes the lock over rewrites the file with its own record only.
 """
 
 from __future__ import annotations
@@ -35,12 +44,20 @@ _log = get_logger(__name__)
 
 class RunLocked(UsageError):
     """`--out` is held by another live run (exit code 2). `holder` is its record (host, pid,
-    started, command), or {} when the holder wrote none yet."""
+    started, command), or {} when the holder wrote none yet; `workers` the pids of the workers
+    of a run whose launcher is gone but which still run (see [Note: workers in the lock file])."""
 
-    def __init__(self, out: str, holder: dict):
-        self.holder = holder
-        super().__init__(f"--out {out} is in use by another run ({describe(holder)}); wait for it "
-                         "to end or stop it, or choose another --out")
+    def __init__(self, out: str, holder: dict, workers: list[int] | None = None):
+        self.holder, self.workers = holder, list(workers or [])
+        if self.workers:
+            pids = " ".join(map(str, self.workers))
+            super().__init__(f"--out {out} is still in use by {len(self.workers)} worker(s) of a run whose "
+                             f"launcher is gone ({describe(holder)}; worker pid(s) {pids} still running): they "
+                             "stop after their current step, saving a final checkpoint; wait for them to end "
+                             f"(or stop them: kill {pids}), or choose another --out")
+        else:
+            super().__init__(f"--out {out} is in use by another run ({describe(holder)}); wait for it "
+                             "to end or stop it, or choose another --out")
 
 
 def describe(holder: dict) -> str:
@@ -57,17 +74,76 @@ def _record(command: str) -> dict:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": command}
 
 
-def _read(fd: int) -> dict:
-    """The record in the open lock file `fd` ({} if empty or unreadable)."""
+def _records(fd: int) -> list[dict]:
+    """The records of the open lock file `fd`, one JSON object a line (the holder's first, then
+    its workers'); a line that is not one is skipped."""
     os.lseek(fd, 0, os.SEEK_SET)
     data = b""
     while chunk := os.read(fd, 65536):
         data += chunk
+    records = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _read(fd: int) -> dict:
+    """The holder's record in the open lock file `fd` ({} if empty or unreadable)."""
+    return next((r for r in _records(fd) if "worker" not in r), {})
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, field 22 of /proc/<pid>/stat), or None
+    where /proc cannot tell (no such process, or no /proc); "zombie" for a process that ended but
+    was not reaped yet."""
     try:
-        record = json.loads(data.decode() or "{}")
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return "zombie" if fields[0] == b"Z" else fields[19].decode()
+
+
+def _running(record: dict) -> bool:
+    """Whether the worker of `record` (this host's) still runs: its pid is a live process that
+    started when the worker did (a pid reused since is not it)."""
+    pid, started = record.get("worker"), record.get("started_ticks")
+    if not isinstance(pid, int) or record.get("host") != socket.gethostname():
+        return False
+    now = _process_start(pid)
+    if now is not None or os.path.isdir("/proc"):
+        return now is not None and now != "zombie" and now == started
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def register_worker(out: str) -> None:
+    """In a worker of `flashfsdp-train`'s own launcher: add this process to the lock file of run
+    directory `out` that the launcher holds (see [Note: workers in the lock file]). Without a
+    lock file (the launcher is gone and its successor released it) nothing is written.
+
+    Raises:
+        OSError: the lock file exists but cannot be written.
+    """
+    record = {"worker": os.getpid(), "host": socket.gethostname(), "started_ticks": _process_start(os.getpid())}
+    try:
+        fd = os.open(os.path.join(out, LOCK_FILE), os.O_WRONLY | os.O_APPEND)
+    except FileNotFoundError:
+        return
+    try:
+        os.write(fd, ("\n" + json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -110,6 +186,7 @@ class RunLock:
 
         Raises:
             RunLocked: another live process holds it; the message names host, pid and start time.
+                Also when its holder is gone but workers it recorded still run (named).
             OSError: `out` cannot be created or the lock file cannot be opened.
         """
         created = not os.path.isdir(out)
@@ -128,6 +205,11 @@ class RunLock:
             if _same_file(fd, path):
                 break
             os.close(fd)  # its holder released it between our open and our lock: try again
+        running = [r["worker"] for r in _records(fd) if "worker" in r and _running(r)]
+        if running:
+            holder = _read(fd)
+            os.close(fd)  # the file stays, with its records, for the next attempt to check again
+            raise RunLocked(out, holder, running)
         lock = cls(out, path, fd, created, _read(fd) or None)
         if lock.recovered:
             _log.warning("%s: took over the lock of a run that ended without releasing it (%s: the "
@@ -192,7 +274,7 @@ def hold_on_rank0(out: str, rank: int) -> JobLock:
         `JobLock(held=True, ...)`, or `held=False` when another run holds it: then rank 0 has
         printed the one-line error naming the holder, and each rank should exit with code 2.
     """
-    import torch.distributed as dist  # noqa: PLC0415 - only the workers need it
+    from flashfsdp.runtime.agreement import broadcast_value  # noqa: PLC0415 - only the workers need torch
 
     lock, message = None, None
     if rank == 0:
@@ -200,10 +282,9 @@ def hold_on_rank0(out: str, rank: int) -> JobLock:
             lock = RunLock.acquire(out, command="flashfsdp-train rank 0 under torchrun")
         except RunLocked as err:
             message = str(err)
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
+    message = broadcast_value(message, src=0)
+    if message is not None:
         if rank == 0:
-            print(f"flashfsdp-train: error: {box[0]}", file=sys.stderr, flush=True)
+            print(f"flashfsdp-train: error: {message}", file=sys.stderr, flush=True)
         return JobLock(False)
     return JobLock(True, lock)

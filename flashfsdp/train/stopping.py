@@ -25,13 +25,18 @@ Kubernetes: terminationGracePeriodSeconds).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
+import time
 
 from flashfsdp.train.checkpoints import final_checkpoint, latest_checkpoint
 
 # The signals that stop a run after a final checkpoint (see [Note: stop signals]).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Seconds between a worker's looks at its parent (`watch_parent`).
+PARENT_POLL_S = 0.5
 
 
 def exit_code(signum: int) -> int:
@@ -104,3 +109,49 @@ def report_stop(prog: str, out: str, run_id: str, signum: int) -> int:
     print(f"{prog}: interrupted ({name}) without a final checkpoint (stopped before the first "
           f"step, or a worker ended before saving); {left}", file=sys.stderr)
     return exit_code(signum)
+
+
+def watch_parent(parent: int, prog: str) -> threading.Thread | None:
+    """Stop this worker when its launcher is gone ([Note: a launcher killed alone]).
+
+    A daemon thread looks every `PARENT_POLL_S` seconds at this process's parent; once it is no
+    longer `parent` (the launcher died and the worker was re-parented to init or a subreaper) it
+    says so on stderr and sends SIGTERM to this process: a worker whose `StopFlag` is installed
+    stops with the other ranks after the current step, saving its checkpoint, as on any SIGTERM;
+    one still starting up ends at once. If `parent` is already gone, SIGTERM is sent now.
+
+    [Note: a launcher killed alone]
+    torch's elastic agent starts its workers in sessions of their own, so a launcher (or torchrun)
+    killed with SIGKILL leaves them running, unwatched. Linux's parent-death signal
+    (prctl(PR_SET_PDEATHSIG)) would reach them at once, but it fires when the *thread* that forked
+    the worker ends, not its process, and it is lost if the parent died before the worker set it:
+    a launcher that starts workers from a helper thread would stop a healthy run. Comparing
+    os.getppid() with the parent's pid depends on neither, works wherever the worker runs (our
+    launcher, a user's torchrun: the parent is the agent either way), and costs one system call
+    per look.
+
+    Args:
+        parent: the pid of the launcher (or torchrun) that started this worker.
+        prog: the program name the message starts with.
+
+    Returns:
+        The watching thread, or None when `parent` was already gone.
+    """
+    if os.getppid() != parent:
+        _parent_gone(parent, prog)
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        _parent_gone(parent, prog)
+
+    thread = threading.Thread(target=watch, name="flashfsdp-train-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _parent_gone(parent: int, prog: str) -> None:
+    print(f"{prog}: worker {os.getpid()}: its launcher (pid {parent}) is gone; stopping after the current "
+          "step", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)

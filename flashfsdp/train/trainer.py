@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashfsdp import ShardedGradScaler
-from flashfsdp.debug import set_trace_dir
+from flashfsdp.debug import report_failure, set_step, set_trace_dir
 from flashfsdp.log import get_logger
 from flashfsdp.runtime.memory import PeakMemoryMeter
 from flashfsdp.train import report
@@ -35,6 +35,7 @@ from flashfsdp.train.launch import agree_run_dir, init_distributed, run_id
 from flashfsdp.train.lr_schedule import lr_at
 from flashfsdp.train.loggers import open_sinks
 from flashfsdp.train.pretrained import load_pretrained
+from flashfsdp.train.run_file import describe_changes
 from flashfsdp.train.run_lock import hold_on_rank0
 from flashfsdp.train.precision import Precision
 from flashfsdp.train.sharding import build_mesh, build_sharded_model, clip_grad_norm, data_parallel
@@ -187,7 +188,7 @@ class Trainer:
         changed = c.record_resumption(self.step, self.world_size)["changed"]
         clear_stop_record(c.run.out)
         if changed:
-            _log.info("resumed with %s", ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items())))
+            _log.info("resumed with %s", describe_changes(changed))
 
     def _loader(self, data: torch.Tensor, seed: int, start_step: int):
         """This rank's batches of `data` from `start_step` on (`flashfsdp.train.data.batch_loader`)."""
@@ -217,6 +218,7 @@ class Trainer:
             any rank asked to stop).
         """
         t0 = time.perf_counter()
+        set_step(self.step + 1)  # the flight recorder's step: this training step's number
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -319,6 +321,7 @@ class Trainer:
     def _train(self, progress: report.Progress) -> int:
         """`train` with its progress bar and metric sinks open."""
         _log.info(self._header())
+        set_step(self.step)  # (evaluation batches are not steps)
         if self.config.model.freeze:
             f = self.frozen
             _log.info("--freeze: training %.2fM parameters, %.2fM frozen (%d tensors); about %s per rank "
@@ -326,9 +329,8 @@ class Trainer:
                       len(f.frozen_tensors), report.format_bytes(f.saved_bytes_per_rank(self.world_size)))
         self.evaluate()
         if self.resumed:
-            _log.info("resumed from step %d of %s: val loss %.4f (saved: val %s, train %s)",
-                      self.start_step, self.config.run.out, self.val_loss, self.saved_extra.get("val_loss"),
-                      self.saved_extra.get("train_loss"))
+            _log.info("resumed from step %d of %s: val loss %.4f (at the save: %s)", self.start_step,
+                      self.config.run.out, self.val_loss, report.saved_losses(self.saved_extra))
         progress.validation(self.step, self.val_loss, resumed=self.resumed,
                             world_size=self.world_size)
         try:
@@ -430,7 +432,7 @@ class Trainer:
             "unit": self.corpus.unit,
             "wall_s": wall_s, "peak_memory_bytes": self.memory.peak_bytes(),
             "overflow_steps": self.overflow_steps if self.scaler.is_enabled() else None,
-            "interrupted": interrupted,
+            "interrupted": interrupted, **report.whole_run(out, self.start_step),
             **({"trainable_params": self.frozen.trainable, "frozen_params": self.frozen.frozen,
                 "frozen_saved_bytes_per_rank": self.frozen.saved_bytes_per_rank(self.world_size)}
                if self.config.model.freeze else {}),
@@ -464,6 +466,9 @@ def run_worker(config: TrainConfig, corpus: Corpus | None = None,
         if lock is not None and not lock.held:
             return 2
         return Trainer(config, corpus, rank, world_size, device, stop, resume_from).train()
+    except Exception as exc:
+        report_failure(exc)  # said and dumped now: a SIGTERM during the cleanup below could cut it short
+        raise
     finally:
         if lock is not None:
             lock.release()

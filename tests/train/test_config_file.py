@@ -125,6 +125,23 @@ def test_a_bad_file_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[model]\ndims = 64\n", "unknown key 'model.dims'"),
+    ("[training]\nsteps = 'many'\n", "training.steps"),
+    ("[training]\nsteps = 0\n", "--steps must be positive, got 0"),
+    ("[model\n", "not valid TOML"),
+])
+def test_a_bad_file_is_refused_before_torch_is_imported(tmp_path, text, message):
+    """`flashfsdp-train --config FILE` reads and checks the file in its torch-free front: one line,
+    exit 2, torch never imported (the time this saves is `python -m benchmarks.cli_timing`'s)."""
+    from tests.test_cli import _entry  # noqa: PLC0415
+
+    done = _entry("--config", _toml(tmp_path, text), "--out", str(tmp_path / "run"))
+    assert done.stdout.strip() == "torch imported: False code: 2", done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flashfsdp-train: error: ") and message in lines[0], lines
+
+
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(UsageError, match=r"--config .*nope.toml: cannot read it"):
         TrainConfig.from_argv(["--config", str(tmp_path / "nope.toml")])

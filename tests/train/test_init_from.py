@@ -22,7 +22,7 @@ from flashfsdp.train.hf_config import llama_config  # noqa: E402
 from flashfsdp.train.precision import Precision  # noqa: E402
 from flashfsdp.train.pretrained import load_pretrained, weight_files  # noqa: E402
 from flashfsdp.train.sharding import build_sharded_model  # noqa: E402
-from tests.train.trainers import corpus_text  # noqa: E402
+from tests.train.trainers import corpus_text, save_hf_llama  # noqa: E402
 
 FP32 = Precision.from_names("fp32", "fp32").policy
 
@@ -33,18 +33,7 @@ FROZEN = "layers.[01].*"  # half the blocks
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny transformers LlamaForCausalLM (untied, grouped-query) with a byte-level tokenizer."""
-    import transformers  # noqa: PLC0415
-
-    from flashfsdp.train.hf_tokenizer import run_tokenizer  # noqa: PLC0415
-
-    folder = tmp_path_factory.mktemp("pretrained") / "tiny-llama"
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    run_tokenizer(None, transformers).save_pretrained(folder)
-    return folder
+    return save_hf_llama(tmp_path_factory.mktemp("pretrained") / "tiny-llama", num_hidden_layers=LAYERS)
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
