@@ -5,6 +5,8 @@
 - :func:`accumulate_grad_shard` - reduced gradient shard -> master gradient, with norm and flag
   (:func:`accumulate_grad_shards`: several pairs at once, a bucket's)
 - :func:`quantize_int8` / :func:`dequantize_int8` - block-wise int8 all-gather payloads (ZeRO++ qwZ)
+- :func:`quantize_grad` / :func:`dequantize_reduce` - int4 / int8 gradients in the order of a
+  hierarchical all-to-all, and the fused dequantise-sum(-requantise) between its hops (ZeRO++ qgZ)
 - :class:`FlattenPlan` / :class:`UnflattenPlan` - ``flatten`` / ``unflatten`` over a fixed list of
   tensors called again and again (a unit's copy-out): validation and segment table kept from the
   first call, later calls check the flat buffer and the tensors' addresses only
@@ -18,9 +20,9 @@ This package imports nothing from ``flashfsdp.runtime`` or ``flashfsdp.bindings`
 
 # dispatch imports the op modules (flashfsdp.kernels.flatten, ...) before the names below rebind
 # the package attributes to the functions; importing an op module again later does not undo that.
-from flashfsdp.kernels.dispatch import (accumulate_grad_shard, accumulate_grad_shards, dequantize_int8, flatten,
-                                       quantize_int8, unflatten)
+from flashfsdp.kernels.dispatch import (accumulate_grad_shard, accumulate_grad_shards, dequantize_int8,
+                                       dequantize_reduce, flatten, quantize_grad, quantize_int8, unflatten)
 from flashfsdp.kernels.plans import FlattenPlan, UnflattenPlan
 
 __all__ = ["flatten", "unflatten", "accumulate_grad_shard", "accumulate_grad_shards", "quantize_int8", "dequantize_int8",
-           "FlattenPlan", "UnflattenPlan"]
+           "quantize_grad", "dequantize_reduce", "FlattenPlan", "UnflattenPlan"]

@@ -21,6 +21,7 @@ from flashfsdp.kernels import reference, triton_support
 from flashfsdp.kernels.accumulate_grad_shard import accumulate_grad_shard_triton
 from flashfsdp.kernels.flatten import flatten_triton
 from flashfsdp.kernels.quantize import BLOCK_SIZE, dequantize_int8_triton, quantize_int8_triton
+from flashfsdp.kernels.quantize_grad import dequantize_reduce_triton, quantize_grad_triton
 from flashfsdp.kernels.unflatten import unflatten_triton
 
 Backend = Literal["triton", "reference"]
@@ -32,6 +33,8 @@ _TRITON_LAUNCHERS = {
     "accumulate_grad_shard": accumulate_grad_shard_triton,
     "quantize_int8": quantize_int8_triton,
     "dequantize_int8": dequantize_int8_triton,
+    "quantize_grad": quantize_grad_triton,
+    "dequantize_reduce": dequantize_reduce_triton,
 }
 
 # The backend forced by `use_backend`, or None for the automatic rule. A plain global rather than
@@ -377,3 +380,93 @@ def dequantize_int8(packed: torch.Tensor, out: torch.Tensor, *, chunks: int = 1,
             ``packed`` of the wrong size, misaligned or on another device, overlapping buffers.
     """
     return _implementation("dequantize_int8", out, (packed,))(packed, out, chunks=chunks, block_size=block_size)
+
+
+def quantize_grad(src: torch.Tensor, packed: torch.Tensor, *, bits: int, nodes: int = 1, local_size: int = 1,
+                  block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Quantise a reduce-scatter input segment by segment to int4 / int8 in the order of a
+    hierarchical all-to-all (ZeRO++ qgZ); returns ``packed``.
+
+    ZeRO++'s quantised gradient reduction (qgZ; Wang et al. 2023, arXiv:2306.10209, §3.3; DeepSpeed's
+    ``swizzled_quantize`` kernel): ``src`` holds W = ``nodes · local_size`` segments of S values,
+    segment g = m·L + l destined to rank g (node m, local rank l; L = ``local_size``), as
+    :func:`flatten` packs a reduce-scatter input. Each segment is quantised as one chunk (blocks of
+    ``block_size`` values from the segment's start, one fp32 scale each, in fp32)::
+
+        scale[b] = max(|x| over block b) / QMAX            QMAX = 127 (bits=8) or 7 (bits=4)
+        q[i] = clamp(round_half_even(x[i] / scale[i // block_size]), -QMAX, QMAX)   (0 where scale is 0)
+
+    packed as in [Note: packed int8 chunks] of :mod:`flashfsdp.kernels.quantize` (int4: two values
+    a byte, low nibble first) into slot ``l·N + m`` of ``packed`` (N = ``nodes``; [Note: qgZ
+    layout] of :mod:`flashfsdp.kernels.quantize_grad`): the N segments for local rank l of every
+    node lie together, ready for an all-to-all inside the node with equal splits. ``nodes=1``
+    (or ``local_size=1``) keeps the segments in order; ``nodes=local_size=1`` quantises ``src`` as
+    one chunk, and then ``bits=8`` gives the bytes of :func:`quantize_int8`. Each value
+    dequantises within half its block's scale (up to a few fp32 ulps of the scale); a block
+    holding an inf or nan gets a non-finite scale and dequantises to nan.
+
+    Args:
+        src: 1-D contiguous float32/bfloat16/float16/float64 tensor of W·S values (read as fp32).
+        packed: 1-D contiguous int8 tensor of ``W · packed_nbytes(S, block_size, bits=bits)`` bytes
+            on ``src``'s device, starting on a 4-byte boundary; written in place (padding zeroed).
+        bits: 4 or 8 (ZeRO++ qgZ sends int4).
+        nodes, local_size: the (nodes, ranks per node) shape of the W ranks.
+        block_size: values per scale, a power of two in [32, 4096] (default 256, see
+            [Note: block size] of :mod:`flashfsdp.kernels.quantize`).
+
+    Raises:
+        TypeError: a non-tensor, ``src`` not floating, ``packed`` not int8, a non-int ``bits``,
+            ``block_size``, ``nodes`` or ``local_size``.
+        ValueError: ``bits`` not 4 or 8, a bad block size, ``nodes`` or ``local_size`` < 1,
+            ``src`` not 1-D and contiguous or not a multiple of W values, ``packed`` of the wrong
+            size, not 1-D and contiguous or misaligned, on another device, or overlapping ``src``.
+    """
+    return _implementation("quantize_grad", src, (packed,))(
+        src, packed, bits=bits, nodes=nodes, local_size=local_size, block_size=block_size)
+
+
+def dequantize_reduce(packed: torch.Tensor, out: torch.Tensor, *, senders: int, numel: int, bits: int,
+                      chunks: int = 1, out_bits: int | None = None, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Sum the chunks received from ``senders`` ranks, dequantised, in fp32; write the sums or
+    requantise them (ZeRO++ qgZ's step between the all-to-all hops); returns ``out``.
+
+    ``packed`` is [senders][chunks][C] bytes, C = ``packed_nbytes(numel, block_size, bits=bits)``:
+    what an all-to-all with equal splits receives, sender j's ``chunks`` packed chunks of ``numel``
+    values each (made by :func:`quantize_grad` or by this op with ``out_bits``). For each chunk c::
+
+        total[c] = deq(chunk (0, c)) + deq(chunk (1, c)) + ...     (fp32, from 0, sender order)
+        deq(chunk)[i] = q[i] * scale[i // block_size]              (fp32 product)
+
+    then, with ``out_bits=None``, ``out[c·numel : (c+1)·numel] = cast(total[c])`` (nearest even:
+    the last hop, the reduce-scatter output); with ``out_bits`` 4 or 8, ``total[c]`` quantised as
+    :func:`quantize_grad` quantises a segment, into chunk c of the packed ``out`` ([chunks][C']
+    bytes, C' = ``packed_nbytes(numel, block_size, bits=out_bits)``), ready for the next
+    all-to-all — dequantise, reduce and requantise fused in one pass, as DeepSpeed's
+    ``quantized_reduction`` / ``dequant_reduce`` kernel. ``senders=1`` dequantises (bits=8:
+    :func:`dequantize_int8`'s values). Error: each summed value is within the sum of its blocks'
+    scales/2 over the senders (plus fp32 rounding), and a requantised one within another scale/2
+    of the new block scale; a nan / inf block of any sender makes the block nan. See
+    [Note: qgZ layout] of :mod:`flashfsdp.kernels.quantize_grad` for the hops.
+
+    Args:
+        packed: 1-D contiguous int8 tensor of ``senders · chunks · C`` bytes, 4-byte aligned.
+        out: ``out_bits=None``: 1-D contiguous float32/bfloat16/float16/float64 tensor of
+            ``chunks · numel`` elements; else a 1-D contiguous int8 tensor of ``chunks · C'`` bytes,
+            4-byte aligned. On ``packed``'s device, written in place.
+        senders: the number of ranks whose chunks are summed (>= 1).
+        numel: values per chunk (S, the segment size; >= 0).
+        bits: the bits ``packed`` was quantised with (4 or 8).
+        chunks: chunks per sender (one sum each; the nodes of the next hop, or 1).
+        out_bits: None for a float ``out``, or 4 / 8 to requantise into an int8 ``out``.
+        block_size: the block size of ``packed`` (and of ``out`` when requantised).
+
+    Raises:
+        TypeError: a non-tensor, ``packed`` not int8, an int8 ``out`` without ``out_bits`` or a float
+            one with it, a non-int ``bits``/``out_bits``/``senders``/``chunks``/``numel``/``block_size``.
+        ValueError: ``bits`` / ``out_bits`` not 4 or 8, a bad block size, ``senders`` or ``chunks``
+            < 1, ``numel`` < 0, a buffer of the wrong size, not 1-D and contiguous or misaligned,
+            on another device, or overlapping the other.
+    """
+    return _implementation("dequantize_reduce", out if out_bits is None else packed, (packed, out))(
+        packed, out, senders=senders, numel=numel, bits=bits, chunks=chunks, out_bits=out_bits,
+        block_size=block_size)

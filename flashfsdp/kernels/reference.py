@@ -21,11 +21,14 @@ import torch
 from flashfsdp._torch_private import foreach_add_, foreach_copy_, foreach_mul, foreach_norm, foreach_zero_
 from flashfsdp.kernels.quantize import (
     BLOCK_SIZE,
-    QMAX,
+    QMAX_BY_BITS,
+    packed_nbytes,
+    payload_nbytes,
     scales_offset,
     validate_dequantize,
     validate_quantize,
 )
+from flashfsdp.kernels.quantize_grad import slot_of, validate_dequantize_reduce, validate_quantize_grad
 from flashfsdp.kernels.validation import (
     validate_accumulate_grad_shard,
     validate_flatten,
@@ -183,19 +186,63 @@ def accumulate_grad_shards(
     return list(zip(squares, flags))
 
 
-def _quantize_rows(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Quantise each row of ``rows`` (fp32, one block a row) into ``q`` (int8, the rows' values in
-    order); return the rows' scales. The max propagates nan, so a block holding one gets a nan scale."""
-    # QMAX as a tensor on rows' device: torch on CUDA turns a division by a Python scalar into a
+def _quantize_rows(rows: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of ``rows`` (fp32, one block a row): ``scale = max|x| / qmax`` per row,
+    ``q = clamp(round_half_even(x / scale), ±qmax)`` as fp32 integers (0 where the scale is 0 or not
+    finite). The max propagates nan, so a block holding one gets a nan scale."""
+    # qmax as a tensor on rows' device: torch on CUDA turns a division by a Python scalar into a
     # product with its reciprocal, which is not IEEE division (the kernels' div_rn) in the last bit.
-    scale = rows.abs().amax(dim=1) / torch.full((), QMAX, dtype=rows.dtype, device=rows.device)
+    scale = rows.abs().amax(dim=1) / torch.full((), qmax, dtype=rows.dtype, device=rows.device)
     usable = (scale > 0) & (scale < torch.inf)
     all_usable = bool(usable.all())
     y = rows / (scale if all_usable else torch.where(usable, scale, 1.0))[:, None]
     if not all_usable:
         y = torch.where(usable[:, None], y, 0.0)
-    q.copy_(y.round_().clamp_(-QMAX, QMAX).view(-1))
-    return scale
+    return y.round_().clamp_(-qmax, qmax), scale
+
+
+def _quantize_chunks(x: torch.Tensor, rows: torch.Tensor, block_size: int, bits: int) -> None:
+    """Quantise each row of ``x`` ([chunks, n] fp32, one chunk a row) into the same row of ``rows``
+    ([chunks, packed_nbytes(n)] int8, one packed chunk a row; see [Note: packed int8 chunks])."""
+    chunks, n = x.shape
+    if n == 0:
+        return
+    qmax, full = QMAX_BY_BITS[bits], n - n % block_size
+    whole = full // block_size
+    start, payload = scales_offset(n, bits), payload_nbytes(n, bits)
+    # the full blocks as a view (no copy for one fp32 chunk), the partial last block on its own
+    parts = [(x[:, :full].reshape(chunks * whole, block_size), 0, full), (x[:, full:], full, n)]
+    quantized = [(*_quantize_rows(blocks, qmax), lo, hi) for blocks, lo, hi in parts if hi > lo]
+    scales = torch.cat([scale.view(chunks, -1) for _, scale, _, _ in quantized], dim=1)
+    if bits == 8:  # each part's values straight into place
+        for q, _, lo, hi in quantized:
+            rows[:, lo:hi].copy_(q.view(chunks, hi - lo))
+    else:
+        q = torch.cat([q.view(chunks, hi - lo) for q, _, lo, hi in quantized], dim=1).to(torch.int16)
+        if n % 2:
+            q = torch.nn.functional.pad(q, (0, 1))
+        rows[:, :payload].copy_(q[:, 1::2] * 16 + (q[:, 0::2] & 15))
+    rows[:, payload:start].zero_()
+    rows[:, start:].copy_(scales.view(torch.int8).view(chunks, -1))
+
+
+def _dequantize_chunks(rows: torch.Tensor, n: int, block_size: int, bits: int) -> torch.Tensor:
+    """The values of the packed chunks ``rows`` ([chunks, packed_nbytes(n)] int8) as a new
+    [chunks, n] fp32 tensor: ``q * scale``, one rounding."""
+    chunks, start = rows.shape[0], scales_offset(n, bits)
+    scales = rows[:, start:].contiguous().view(torch.float32)  # [chunks, blocks]
+    if bits == 8:
+        values = rows[:, :n].to(torch.float32)
+    else:
+        b = rows[:, :payload_nbytes(n, bits)].to(torch.int16)
+        values = torch.stack([((b & 15) ^ 8) - 8, b >> 4], dim=2).view(chunks, -1)[:, :n].to(torch.float32)
+    full = n - n % block_size
+    whole = full // block_size
+    if whole:  # the product in fp32 (in place)
+        values[:, :full].view(chunks, whole, block_size).mul_(scales[:, :whole, None])
+    if n > full:
+        values[:, full:].mul_(scales[:, whole:])
+    return values
 
 
 @torch.no_grad()
@@ -203,16 +250,7 @@ def quantize_int8(src: torch.Tensor, packed: torch.Tensor, *, block_size: int = 
     """Reference of :func:`flashfsdp.kernels.quantize_int8`: per block, ``scale = max|x| / 127``
     and ``q = round_half_even(x / scale)`` in fp32, packed as in [Note: packed int8 chunks]."""
     block_size = validate_quantize(src, packed, block_size)
-    n = src.numel()
-    if n == 0:
-        return packed
-    start, full = scales_offset(n), n - n % block_size
-    x = src.to(torch.float32)  # no copy for fp32: the full blocks are read in place
-    # the full blocks as a view, the partial last block (if any) on its own: no padded copy
-    parts = [(x[:full].view(-1, block_size), 0, full), (x[full:].view(1, -1), full, n)]
-    scales = [_quantize_rows(rows, packed[lo:hi]) for rows, lo, hi in parts if hi > lo]
-    packed[n:start].zero_()
-    torch.cat(scales, out=packed[start:].view(torch.float32))
+    _quantize_chunks(src.to(torch.float32).view(1, -1), packed.view(1, -1), block_size, 8)
     return packed
 
 
@@ -222,16 +260,47 @@ def dequantize_int8(packed: torch.Tensor, out: torch.Tensor, *, chunks: int = 1,
     """Reference of :func:`flashfsdp.kernels.dequantize_int8`: ``out = cast(q.float() * scale)``
     chunk by chunk, the product in fp32, rounded once to ``out.dtype`` (nearest even)."""
     n, block_size = validate_dequantize(packed, out, chunks, block_size)
+    if n:
+        out.view(chunks, n).copy_(_dequantize_chunks(packed.view(chunks, -1), n, block_size, 8))
+    return out
+
+
+@torch.no_grad()
+def quantize_grad(src: torch.Tensor, packed: torch.Tensor, *, bits: int, nodes: int = 1, local_size: int = 1,
+                  block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Reference of :func:`flashfsdp.kernels.quantize_grad`: segment g of ``src`` quantised as one
+    chunk into slot :func:`~flashfsdp.kernels.quantize_grad.slot_of` ``(g)`` of ``packed``."""
+    n = validate_quantize_grad(src, packed, nodes, local_size, bits, block_size)
+    world = nodes * local_size
     if n == 0:
+        return packed
+    slots = [slot_of(g, nodes, local_size) for g in range(world)]
+    rows = packed.view(world, -1)
+    x = src.to(torch.float32).view(world, n)
+    if slots == sorted(slots):
+        _quantize_chunks(x, rows, block_size, bits)
+    else:
+        staged = torch.empty_like(rows)
+        _quantize_chunks(x, staged, block_size, bits)
+        rows[slots] = staged
+    return packed
+
+
+@torch.no_grad()
+def dequantize_reduce(packed: torch.Tensor, out: torch.Tensor, *, senders: int, numel: int, bits: int,
+                      chunks: int = 1, out_bits: int | None = None, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Reference of :func:`flashfsdp.kernels.dequantize_reduce`: ``total[c] = sum over j in order of
+    deq(packed chunk j·chunks + c)`` in fp32 (from zero), then ``out[c] = cast(total[c])`` or, with
+    ``out_bits``, ``total`` quantised into the packed ``out``."""
+    validate_dequantize_reduce(packed, out, senders, chunks, numel, bits, out_bits, block_size)
+    if numel == 0:
         return out
-    start, full = scales_offset(n), n - n % block_size
-    rows, outs = packed.view(chunks, -1), out.view(chunks, n)
-    scales = rows[:, start:].contiguous().view(torch.float32)  # [chunks, blocks]
-    whole = full // block_size
-    if whole:  # the product in fp32 (in place), then one cast into out
-        values = rows[:, :full].to(torch.float32)
-        values.view(chunks, whole, block_size).mul_(scales[:, :whole, None])
-        outs[:, :full].copy_(values)
-    if n > full:
-        outs[:, full:].copy_(rows[:, full:n].to(torch.float32).mul_(scales[:, whole:]))
+    received = packed.view(senders, chunks, packed_nbytes(numel, block_size, bits=bits))
+    total = torch.zeros(chunks, numel, dtype=torch.float32, device=packed.device)
+    for j in range(senders):
+        total += _dequantize_chunks(received[j], numel, block_size, bits)
+    if out_bits is None:
+        out.view(chunks, numel).copy_(total)
+    else:
+        _quantize_chunks(total, out.view(chunks, -1), block_size, out_bits)
     return out

@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 flatten = importlib.import_module("flashfsdp.kernels.flatten")
 unflatten = importlib.import_module("flashfsdp.kernels.unflatten")
 accumulate_grad_shard = importlib.import_module("flashfsdp.kernels.accumulate_grad_shard")
+quantize = importlib.import_module("flashfsdp.kernels.quantize")
 
 TARGET = GPUTarget("cuda", 90, 32)
 DIVISIBLE_16 = [["tt.divisibility", 16]]
@@ -61,6 +62,25 @@ def main():
          "flag_ptr": "*u8"},
         {"BLOCK": accumulate_grad_shard.FINALIZE_BLOCK}, ["partial_sum_ptr", "partial_flag_ptr"],
         accumulate_grad_shard.FINALIZE_WARPS)
+    # quantize_int8 / quantize_grad, dequantize_int8 / dequantize_reduce: int8 and int4 payloads
+    # (int4 packs nibble pairs with tl.split / tl.join), float and requantised outputs
+    rows = quantize.rows_per_program(quantize.BLOCK_SIZE)
+    for bits in (8, 4):
+        report[f"quantize[bits={bits}]"] = compile_kernel(
+            quantize.quantize_kernel,
+            {"src_ptr": "*fp32", "packed_ptr": "*i8", "scales_ptr": "*fp32", "n": "i32", "n_blocks": "i32",
+             "chunk_bytes": "i64", "scales_start": "i64", "nodes": "i32", "local_size": "i32"},
+            {"BLOCK": quantize.BLOCK_SIZE, "ROWS": rows, "BITS": bits, "QMAX": float(quantize.QMAX_BY_BITS[bits])},
+            ["src_ptr", "packed_ptr", "scales_ptr"], quantize.NUM_WARPS)
+    for bits, out, out_bits in ((8, "fp32", 0), (4, "bf16", 0), (4, "i8", 4), (8, "i8", 4)):
+        report[f"dequantize_reduce[bits={bits}->{out_bits or out}]"] = compile_kernel(
+            quantize.dequantize_reduce_kernel,
+            {"packed_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": f"*{out}", "out_scales_ptr": "*fp32",
+             "n": "i32", "n_blocks": "i32", "senders": "i32", "chunks": "i32", "chunk_bytes": "i64",
+             "scales_start": "i64", "out_chunk_bytes": "i64", "out_scales_start": "i64"},
+            {"BLOCK": quantize.BLOCK_SIZE, "ROWS": rows, "BITS": bits, "OUT_BITS": out_bits,
+             "OUT_QMAX": float(quantize.QMAX_BY_BITS[out_bits or 8])},
+            ["packed_ptr", "scales_ptr", "out_ptr", "out_scales_ptr"], quantize.NUM_WARPS)
     json.dump(report, sys.stdout, indent=1)
 
 

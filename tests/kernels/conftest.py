@@ -50,6 +50,17 @@ def ops(request):
         yield _ops(path)
 
 
+@pytest.fixture(params=PATHS)
+def op_module(request):
+    """``flashfsdp.kernels`` with the dispatcher forced onto one path, or ``flashfsdp.kernels.reference``
+    itself (``reference-direct``): every op, the quantisation ones included, by its public name."""
+    path = request.param
+    if path == "triton" and dispatch.triton_device_type() is None:
+        pytest.skip("triton cannot be imported")
+    with dispatch.use_backend(None if path == "reference-direct" else path):
+        yield reference if path == "reference-direct" else kernels
+
+
 @pytest.fixture
 def cuda_triton_ops():
     """The ops on compiled Triton kernels for CUDA tensors (the ``gpu`` tests).

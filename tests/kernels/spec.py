@@ -16,6 +16,18 @@ import torch
 overflow_is_expected = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Quantised payloads: |x - deq(q(x))| <= scale/2, up to the fp32 roundings of x / scale and
+# q * scale (a few ulps of the scale) and, for blocks whose max is subnormal, the scale's own lost
+# precision (absolute).
+QUANTIZATION_RELATIVE_SLACK = 2.0**-12
+QUANTIZATION_ABSOLUTE_SLACK = 2.0**-120
+
+
+def assert_within(error, bound):
+    """``error <= bound`` everywhere (float64 tensors), with the slack of fp32 quantisation arithmetic."""
+    ok = error <= bound * (1 + QUANTIZATION_RELATIVE_SLACK) + QUANTIZATION_ABSOLUTE_SLACK
+    assert bool(ok.all()), f"worst excess {float((error - bound).max())}"
 DTYPE_PAIRS = tuple(itertools.product(DTYPES, DTYPES))  # (input dtype, output dtype)
 
 

@@ -29,18 +29,22 @@ def run_python(code, **env):
 
 
 def test_public_names_are_the_dispatching_functions():
-    import flashfsdp.kernels.flatten  # noqa: F401 - importing an op module must not shadow the op
-    import flashfsdp.kernels.quantize  # noqa: F401
-    from flashfsdp.kernels import (accumulate_grad_shard, accumulate_grad_shards, dequantize_int8, flatten,
-                                   quantize_int8, unflatten)
+    import flashfsdp.kernels.flatten  # importing an op module must not shadow the op
+    import flashfsdp.kernels.quantize
+    import flashfsdp.kernels.quantize_grad
+    from flashfsdp.kernels import (accumulate_grad_shard, accumulate_grad_shards, dequantize_int8, dequantize_reduce,
+                                   flatten, quantize_grad, quantize_int8, unflatten)
 
+    assert flashfsdp.kernels.flatten is dispatch.flatten and flashfsdp.kernels.quantize_grad is dispatch.quantize_grad
     assert kernels.__all__ == ["flatten", "unflatten", "accumulate_grad_shard", "accumulate_grad_shards",
-                               "quantize_int8", "dequantize_int8", "FlattenPlan", "UnflattenPlan"]
-    assert (flatten, unflatten, accumulate_grad_shard, accumulate_grad_shards, quantize_int8, dequantize_int8) == (
+                               "quantize_int8", "dequantize_int8", "quantize_grad", "dequantize_reduce",
+                               "FlattenPlan", "UnflattenPlan"]
+    public = (flatten, unflatten, accumulate_grad_shard, accumulate_grad_shards, quantize_int8, dequantize_int8,
+              quantize_grad, dequantize_reduce)
+    assert public == (
         dispatch.flatten, dispatch.unflatten, dispatch.accumulate_grad_shard, dispatch.accumulate_grad_shards,
-        dispatch.quantize_int8, dispatch.dequantize_int8)
-    for function in (flatten, unflatten, accumulate_grad_shard, accumulate_grad_shards, quantize_int8,
-                     dequantize_int8, kernels.FlattenPlan.run, kernels.UnflattenPlan.run):
+        dispatch.quantize_int8, dispatch.dequantize_int8, dispatch.quantize_grad, dispatch.dequantize_reduce)
+    for function in (*public, kernels.FlattenPlan.run, kernels.UnflattenPlan.run):
         assert "Raises:" in function.__doc__ and "Args:" in function.__doc__
 
 
@@ -137,7 +141,7 @@ def test_kernels_compile_for_h100_with_vector_accesses():
         "from tests.kernels.compile_for_gpu import main; main()",
         TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="0",
     ))
-    assert len(report) == 10
+    assert len(report) == 16
     per_thread = BLOCK // (32 * NUM_WARPS)
     vectors_for_three_dtypes = per_thread // 4 + 2 * (per_thread // 8)
     for kernel, accesses in report.items():
@@ -149,6 +153,10 @@ def test_kernels_compile_for_h100_with_vector_accesses():
             assert accesses.get("ld.global.v4.b32"), (kernel, accesses)
         elif kernel.startswith("accumulate"):
             assert accesses.get("ld.global.v4.b32") and accesses.get("st.global.v4.b32"), (kernel, accesses)
+        elif kernel.startswith("quantize"):  # reads floats, writes int8 / int4 bytes and fp32 scales
+            assert accesses.get("ld.global.b32") and accesses.get("st.global.b8"), (kernel, accesses)
+        elif kernel.startswith("dequantize_reduce"):  # reads int8 / int4 bytes and fp32 scales
+            assert accesses.get("ld.global.b8") and accesses.get("ld.global.b32"), (kernel, accesses)
 
 
 def test_float64_runs_the_reference_in_float64_even_when_triton_is_forced():

@@ -12,30 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashfsdp.kernels as kernels
-from flashfsdp.kernels import dispatch, reference
+from flashfsdp.kernels import dispatch
 from flashfsdp.kernels.quantize import packed_nbytes, scales_offset
 from tests.kernels.conftest import kernel_device
-from tests.kernels.spec import overflow_is_expected, random_tensor
+from tests.kernels.spec import DTYPES as FLOATS
+from tests.kernels.spec import assert_within, overflow_is_expected, random_tensor
 
-PATHS = ("triton", "reference", "reference-direct")
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# |x - deq(q(x))| <= scale/2, up to the fp32 roundings of x / scale and q * scale (a few ulps of
-# the scale) and, for blocks whose max is subnormal, the scale's own lost precision (absolute).
-RELATIVE_SLACK = 2.0**-12
-ABSOLUTE_SLACK = 2.0**-120
-
-
-def _module(path):
-    return reference if path == "reference-direct" else kernels
-
-
-@pytest.fixture(params=PATHS)
-def ops(request):
+@pytest.fixture
+def ops(op_module):
     """``quantize_int8`` / ``dequantize_int8`` of one path (see tests/kernels/conftest.py)."""
-    if request.param == "triton" and dispatch.triton_device_type() is None:
-        pytest.skip("triton cannot be imported")
-    with dispatch.use_backend(None if request.param == "reference-direct" else request.param):
-        yield _module(request.param)
+    return op_module
 
 
 def quantize(ops, x, block_size=256):
@@ -66,9 +52,7 @@ def check_bound(x, packed, deq, block_size):
     per_element = scales.repeat_interleave(block_size)[:n]
     amax = torch.stack([b.abs().max() for b in x.split(block_size)]) if n else torch.zeros(0)
     assert torch.equal(scales, amax / 127)
-    error = (x - deq.cpu().float()).abs()
-    assert bool((error <= per_element / 2 * (1 + RELATIVE_SLACK) + ABSOLUTE_SLACK).all()), (
-        f"worst excess {float((error - per_element / 2).max())}")
+    assert_within((x.double() - deq.cpu().double()).abs(), per_element.double() / 2)
     assert torch.equal(packed[n:scales_offset(n)].cpu(), torch.zeros(scales_offset(n) - n, dtype=torch.int8))
 
 
