@@ -27,6 +27,8 @@ from flashfsdp.runtime.step import DEFAULT_BUCKET_BYTES
 from .deepspeed import model_params
 from .estimate import OPTIMIZER_STATES, estimate
 from .report import comm_table, memory_table, world_size_table
+from .pipeline import SCHEDULES
+from .pipeline_cli import print_pipeline
 from .units import unit_members
 
 PROG = "python -m flashfsdp.estimate"
@@ -64,6 +66,14 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"a world size is an integer >= 1, got {value}")
     return value
+
+
+def _count(text: str) -> int:
+    """A count of the pipeline options (--pp, --microbatches, ...): an integer >= 1."""
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
 
 
 def _reshard(text: str) -> bool | int | None:
@@ -111,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "parallelism over N ranks, fully_shard over the W/N others")
     p.add_argument("--tokens", type=int, metavar="T",
                    help="tokens of one TP group's step, for the TP communication (default: one sequence)")
+    pipe = p.add_argument_group("pipeline parallelism (--preset only): W = pp x dp x tp")
+    pipe.add_argument("--pp", type=_count, metavar="N", help="pipeline ranks: the blocks split into stages, each "
+                      "stage's blocks fully_shard'ed over its dp ranks; a row per pipeline rank")
+    pipe.add_argument("--microbatches", type=_count, metavar="M", help="micro-batches per step (with --pp)")
+    pipe.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="torch's schedule (default 1f1b)")
+    pipe.add_argument("--virtual-stages", type=_count, metavar="V",
+                      help="stages per pipeline rank (interleaved1f1b; default 2 there)")
+    pipe.add_argument("--microbatch-size", type=_count, default=1, metavar="B", help="sequences per micro-batch")
+    pipe.add_argument("--seq-len", type=_count, metavar="S", help="tokens per sequence (default: the preset's)")
     p.add_argument("--table", type=_positive, nargs="*", default=list(TABLE_WORLD_SIZES), metavar="W",
                    help="world sizes of the table, each >= 1 (none: no table)")
     return p
@@ -251,6 +270,8 @@ def _assumed(args, est, master: str, master_from: str, param: str, param_from: s
 
 def _print_estimate(args) -> int:
     """Compute and print the estimate of `args`; 2 and a one-line message on bad input."""
+    if args.pp is not None or args.microbatches is not None:
+        return print_pipeline(args, PROG, DTYPES)
     try:
         master, master_from, param, param_from = _dtypes(args)
         name, model, units = _model(args, DTYPES[master])

@@ -16,7 +16,10 @@ import torch
 
 from flashfsdp.models import PRESETS
 
+from flashfsdp.estimate.pipeline import SCHEDULES
+
 from .link import LINKS
+from .pipeline import simulate_pipeline
 from .simulate import simulate
 from .tensor_parallel import llama_tp_model
 
@@ -38,7 +41,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-link", choices=list(LINKS), default="nvlink", help="the TP ranks' link (within a node)")
     p.add_argument("--param-dtype", choices=list(DTYPES), default="bf16", help="parameters and activations")
     p.add_argument("--reduce-dtype", choices=list(DTYPES), default="fp32", help="the reduce-scatter's dtype")
+    pipe = p.add_argument_group("pipeline parallelism: W = pp x dp x tp (one --tp value)")
+    pipe.add_argument("--pp", type=int, metavar="N", help="pipeline ranks (with --microbatches)")
+    pipe.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per step")
+    pipe.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    pipe.add_argument("--virtual-stages", type=int, metavar="V", help="stages per rank (interleaved1f1b; default 2)")
+    pipe.add_argument("--microbatch-size", type=int, default=1, metavar="B", help="sequences per micro-batch")
+    pipe.add_argument("--seq-len", type=int, metavar="S", help="tokens per sequence (default: the preset's)")
+    pipe.add_argument("--pp-link", choices=list(LINKS), default="ib400", help="the pipeline's point-to-point link")
     return p
+
+
+def _pipeline(args) -> str:
+    """The pipeline prediction of ``args`` as text (ValueError naming the flags on bad sizes)."""
+    if args.pp is None or args.microbatches is None or len(args.tp) != 1:
+        raise ValueError("--pp N and --microbatches M go together, with one --tp value")
+    p = simulate_pipeline(args.preset, args.world_size, pp=args.pp, microbatches=args.microbatches,
+                          schedule=args.schedule, virtual_stages=args.virtual_stages, tp=args.tp[0],
+                          microbatch_size=args.microbatch_size, seq_len=args.seq_len, flops_per_s=args.flops,
+                          link=args.link, pp_link=args.pp_link, tp_link=args.tp_link,
+                          param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype])
+    worst = max(range(args.pp), key=lambda r: p.peak_bytes[r])
+    return (f"Llama {args.preset}, W = {args.world_size}, pp = {args.pp}, {args.schedule}, M = {args.microbatches}, "
+            f"{args.flops:.3g} FLOP/s per GPU (assumed), links (assumed) dp {args.link}, pp {args.pp_link}\n"
+            f"step {p.step_s * 1e3:,.1f} ms = slowest stage's FSDP step {p.stage_s * 1e3:,.1f} ms / (1 - bubble "
+            f"{p.bubble_fraction:.3f}) + fill/drain point-to-point {p.p2p_s * 1e3:,.2f} ms; bubble "
+            f"{p.bubble_s * 1e3:,.1f} ms; {p.p2p_bytes_per_step / 1e9:,.2f} GB point-to-point per step and pipeline; "
+            f"peak {p.peak_bytes[worst] / 2**30:,.1f} GiB on pp rank {worst} (activations without checkpointing)")
 
 
 def _row(args, tp: int) -> dict:
@@ -64,6 +93,13 @@ def _table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Print the assumptions and the predictions; exit status 2 with a one-line message on bad input."""
     args = build_parser().parse_args(argv)
+    if args.pp is not None or args.microbatches is not None:
+        try:
+            print(_pipeline(args))
+        except ValueError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         rows = [_row(args, tp) for tp in args.tp]
     except ValueError as err:
