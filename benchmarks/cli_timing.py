@@ -1,5 +1,5 @@
-"""How fast the command lines answer: `flashfsdp-train --help` and a usage error (answered before
-torch is imported) against `python -m flashfsdp.train --help` (which imports the `flashfsdp`
+"""How fast the command lines answer: `flashfsdp-train --help`, a usage error and an error in a
+`--config` file (answered before torch is imported) against `python -m flashfsdp.train --help` (which imports the `flashfsdp`
 package, and torch with it) and a bare `import torch`.
 
     python -m benchmarks.cli_timing [--repeats 5] [--record | --out DIR]
@@ -15,7 +15,9 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,6 +29,7 @@ COMMANDS = (
     ("flashfsdp-train --help", ["-m", "flashfsdp_cli.train", "--help"], 0),
     ("flashfsdp-train --steps 0 (usage error)", ["-m", "flashfsdp_cli.train", "--steps", "0"], 2),
     ("flashfsdp-train export --help", ["-m", "flashfsdp_cli.train", "export", "--help"], 0),
+    ("flashfsdp-train --config bad.toml (config-file error)", ["-m", "flashfsdp_cli.train", "--config", "{bad_toml}"], 2),
     ("python -m flashfsdp.train --help", ["-m", "flashfsdp.train", "--help"], 0),
     ("python -c 'import torch'", ["-c", "import torch"], 0),
 )
@@ -61,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     env = environment(torch.device("cpu"))
     rows = []
-    for name, command, expected in COMMANDS:
-        t = time_command(command, expected, args.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        bad_toml = Path(tmp) / "bad.toml"
+        bad_toml.write_text("[training]\nsteps = 'many'\n")  # a field of the wrong type
+        times = [(name, time_command([a.format(bad_toml=bad_toml) for a in command], expected, args.repeats))
+                 for name, command, expected in COMMANDS]
+    for name, t in times:
         rows.append({"command": name, "median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
                      "runs": len(t), **env.stamp()})
     print(format_table(rows, COLUMNS))
@@ -70,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(rows, folder / "cli_timing.csv")
     write_markdown(rows, COLUMNS, folder / "cli_timing.md", title="Command-line start-up (wall time per run)", env=env,
                    notes=["Each command a fresh process, after one untimed warm-up run; median, min and max of the "
-                          "timed runs.", "`flashfsdp-train` answers --help and usage errors before torch is "
-                          "imported; `python -m flashfsdp.train` imports the flashfsdp package, and torch, first."])
+                          "timed runs.", "`flashfsdp-train` answers --help, usage errors and --config file errors "
+                          "before torch is imported; `python -m flashfsdp.train` imports the flashfsdp package, and torch, first."])
     return 0
 
 

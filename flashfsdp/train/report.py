@@ -198,10 +198,16 @@ def estimated_memory(out: str, world_size: int) -> int | None:
 
 
 def _peak_memory(out: str, summary: dict) -> str:
-    """The measured peak, and beside it the estimate (which leaves activations out)."""
-    measured = format_bytes(summary["peak_memory_bytes"])
+    """The measured peak, what it measured, and beside it `flashfsdp.estimate`'s bytes (which
+    leave activations out)."""
+    text = format_bytes(summary["peak_memory_bytes"])
+    if summary.get("peak_memory_what"):
+        text += f" measured ({summary['peak_memory_what']})"
     est = estimated_memory(out, summary["world_size"])
-    return measured if est is None else f"{measured} (estimated {format_bytes(est)} + activations)"
+    if est is not None:
+        text += (f"; flashfsdp.estimate: {format_bytes(est)} for parameters, gradients, optimizer states "
+                 "and gathered units, activations not counted")
+    return text
 
 
 def _frozen(summary: dict) -> str:

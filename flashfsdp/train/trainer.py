@@ -431,6 +431,7 @@ class Trainer:
             **(self.throughput.rates(sum(timed), len(timed)) if timed else {"tokens_per_s": 0.0}),
             "unit": self.corpus.unit,
             "wall_s": wall_s, "peak_memory_bytes": self.memory.peak_bytes(),
+            "peak_memory_what": self.memory.description,
             "overflow_steps": self.overflow_steps if self.scaler.is_enabled() else None,
             "interrupted": interrupted, **report.whole_run(out, self.start_step),
             **({"trainable_params": self.frozen.trainable, "frozen_params": self.frozen.frozen,

@@ -194,7 +194,9 @@ def test_training_summary_prints_the_estimate_beside_the_measured_peak(tmp_path)
     expected = estimate(config.llama, 2, mp_policy=config.precision.policy).total_bytes
     assert report.estimated_memory(str(tmp_path), 2) == expected
     summary = dict(params=1, world_size=2, device="cpu", start_step=0, step=1, train_loss=1.0, val_loss=1.0,
-                   unigram_baseline=3.0, tokens_per_s=1.0, wall_s=1.0, peak_memory_bytes=2**30)
-    assert f"1.0GiB (estimated {report.format_bytes(expected)} + activations)" in report.write_summary(
-        str(tmp_path), summary)
+                   unigram_baseline=3.0, tokens_per_s=1.0, wall_s=1.0, peak_memory_bytes=2**30,
+                   peak_memory_what="peak RSS (VmHWM) since the reset, minus the RSS before the model")
+    assert (f"1.0GiB measured (peak RSS (VmHWM) since the reset, minus the RSS before the model); flashfsdp.estimate: "
+            f"{report.format_bytes(expected)} for parameters, gradients, optimizer states and gathered units, "
+            "activations not counted") in report.write_summary(str(tmp_path), summary)
 
