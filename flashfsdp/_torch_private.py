@@ -92,6 +92,21 @@ def optional_private(module: str, attribute: str) -> Any:
         return None
 
 
+# ------------------------------------------------------------------------------ custom collectives
+# runtime/custom_collectives.py: FSDP2's AllGather / ReduceScatter protocols, the types
+# set_custom_all_gather / set_custom_reduce_scatter accept (torch 2.9+).
+_FSDP_API = "torch.distributed.fsdp._fully_shard._fsdp_api"
+
+
+def custom_collective_types() -> tuple[type, type]:
+    """``(AllGather, ReduceScatter)``, FSDP2's custom-collective protocols.
+
+    Raises:
+        ImportError: this torch has none (named, as :func:`private` names it).
+    """
+    return private(_FSDP_API, "AllGather"), private(_FSDP_API, "ReduceScatter")
+
+
 # ---------------------------------------------------------------------------------------- autograd
 # bindings/autograd.py: the post-backward gate asks the engine which nodes this backward runs.
 current_graph_task_id = private("torch", "_C._current_graph_task_id")  # () -> int, -1 outside backward

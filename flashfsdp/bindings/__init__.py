@@ -11,7 +11,8 @@ from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .fully_shard import fully_shard
 from .functional import all_gather_with_grad
 from .grad_scaler import ShardedGradScaler
-from .mixed_precision import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .mixed_precision import (CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy,
+                              QuantizedReduce)
 from .state_dict import (get_full_state_dict, get_optimizer_state_dict, save_pretrained, set_full_state_dict,
                          set_optimizer_state_dict)
 
@@ -22,6 +23,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "MixedPrecisionPolicy",
+    "QuantizedReduce",
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from flashfsdp.runtime.init_window import close_init_windows
+from flashfsdp.runtime.custom_collectives import custom_all_gather, custom_reduce_scatter
 
 from .elision import end_forward, set_enabled
 from .state import FSDPState
@@ -73,17 +74,16 @@ class FSDPModule(TorchFSDPModule):
         after ``to_empty(device=...)`` a meta-device unit holds this rank's shard on that device.
 
         Raises:
-            RuntimeError: the unit is unsharded (convert outside forward/backward).
+            RuntimeError: the unit is unsharded inside forward/backward (an idle unit kept unsharded
+                is resharded first).
             ValueError: a dtype narrower than at ``fully_shard`` (the flat layout is not aligned
                 for it: convert before fully_shard or use ``mp_policy``).
         """
         state = self.__dict__.get("_flashfsdp_state")
         if state is not None:  # the other units' windows stay open (to_empty on the root reaches them first)
             close_init_windows([p for g in state.unit.groups for p in g.sharded_params])
-        if state is not None and state.holds_unsharded:
-            raise RuntimeError(
-                f"{type(self).__name__}._apply (module.to / half / to_empty) while unit '{state.unit.name}' is "
-                f"unsharded: convert it outside forward/backward, after module.reshard()")
+        if state is not None:  # kept unsharded after a forward: resharded first (refused inside one)
+            state.reshard_idle(f"{type(self).__name__}._apply (module.to / half / to_empty)")
         out = super(TorchFSDPModule, self)._apply(fn, recurse)  # (torch's FSDPModule._apply reads its own state)
         if state is not None:
             state.adopt_module_params()
@@ -355,17 +355,28 @@ class FSDPModule(TorchFSDPModule):
         state_of(self, "reset_iter_state").reset_iter_state()
 
     def set_custom_all_gather(self, comm) -> None:
-        """Not supported: flashfsdp's collectives are its Communicators; pass your own
-        ``flashfsdp.runtime.communicator.Communicator`` as ``fully_shard(..., communicator=...)``."""
-        raise NotImplementedError(
-            "set_custom_all_gather: flashfsdp runs its all-gathers through a Communicator; pass one to "
-            "fully_shard(module, communicator=my_communicator) instead")
+        """Run this unit's all-gathers (not its submodules') through ``comm``, a torch FSDP2
+        ``AllGather`` object, called as FSDP2 calls it: ``allocate`` gives the output buffer, then
+        ``comm(output_tensor=, input_tensor=, group=, async_op=True)`` over the unit's process group
+        (``flashfsdp/runtime/custom_collectives.py``). The unit then all-gathers alone (no bucket).
+
+        Raises:
+            TypeError: ``comm`` is not an ``AllGather``.
+            ValueError: the unit's communicator runs over no torch.distributed process group.
+        """
+        custom_all_gather(state_of(self, "set_custom_all_gather").unit, comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
-        """Not supported: see :meth:`set_custom_all_gather`."""
-        raise NotImplementedError(
-            "set_custom_reduce_scatter: flashfsdp runs its reduce-scatters through a Communicator; pass one to "
-            "fully_shard(module, communicator=my_communicator) instead")
+        """Run this unit's reduce-scatters through ``comm``, a torch FSDP2 ``ReduceScatter``
+        object: ``allocate`` gives the input buffer, then ``comm(output_tensor=, input_tensor=,
+        group=, op=, async_op=True)``; the unit then reduces alone (no bucket). See
+        :meth:`set_custom_all_gather`.
+
+        Raises:
+            TypeError: ``comm`` is not a ``ReduceScatter``.
+            ValueError: the unit's communicator runs over no torch.distributed process group.
+        """
+        custom_reduce_scatter(state_of(self, "set_custom_reduce_scatter").unit, comm)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Not supported: the NCCL communicator enqueues on buffers from PyTorch's caching

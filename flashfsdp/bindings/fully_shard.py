@@ -43,7 +43,9 @@ from typing import Callable, Iterable
 
 import torch.nn as nn
 
-from flashfsdp.runtime.comm_factory import communicator_for, post_forward_communicator, resolve_kind
+from flashfsdp.runtime.comm_factory import (communicator_for, node_communicators, post_forward_communicator,
+                                            resolve_kind)
+from flashfsdp.runtime.quantized_reduce import QuantizedReducer, check_reduce_quantization
 from flashfsdp.runtime.communicator import Communicator
 from flashfsdp.runtime.unit import ShardedUnit
 
@@ -158,18 +160,35 @@ def _build_unit(modules, collected, groups: _init.MeshGroups, mesh, communicator
         _init.check_no_tensor_parallel(collected, f"reshard_after_forward={reshard_after_forward}",
                                        "use reshard_after_forward=True or False (as FSDP2)")
         post_forward_comm = post_forward_communicator(comm, resolved.post_forward_size, communicator, target)
+    name = "+".join(type(m).__name__ for m in modules)
+    reducer = _quantized_reducer(mp_policy, comm, replicate_comm, communicator, target, name)
     # Named by class here; the root renames every unit by its qualified name at lazy init.
     unit = ShardedUnit(
-        "+".join(type(m).__name__ for m in modules), collected.params, collected.fqns, comm, device,
+        name, collected.params, collected.fqns, comm, device,
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype, post_forward_comm=post_forward_comm,
         offload=offload, pin_memory=pin_memory, replicate_comm=replicate_comm,
         all_gather_dtype=mp_policy.all_gather_dtype, spec=_init.sharding_spec(mesh, comm, target),
-        shard_dims=shard_dims,
+        shard_dims=shard_dims, reduce_quantization=reducer,
     )
     # what FSDP2 passes to a parameter's fsdp_pre_all_gather: the module holding it, the policy
     unit.extension_modules = [regs[0][0] for regs in collected.registrations]
     unit.mp_policy = mp_policy
     return unit, resolved
+
+
+def _quantized_reducer(mp_policy: MixedPrecisionPolicy, comm, replicate_comm, communicator, target,
+                       name: str) -> QuantizedReducer | None:
+    """ZeRO++ qgZ's reducer of a unit (``mp_policy.reduce_quantization``), its node groups built
+    (collective: every rank builds its units in one order); None without it.
+
+    Raises:
+        ValueError: see ``runtime/quantized_reduce.py``, [Note: what qgZ refuses].
+    """
+    config = check_reduce_quantization(mp_policy.reduce_quantization, comm, replicate_comm, name)
+    if config is None:
+        return None
+    intra, inter = node_communicators(comm, config.local_size, communicator, target)
+    return QuantizedReducer(config, comm, intra, inter)
 
 
 def replicate_communicator(group, communicator: str | Communicator, device):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashfsdp.runtime.quantized_reduce import QuantizedReduce
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -27,14 +29,25 @@ class MixedPrecisionPolicy:
             value is within half its block's scale (max |w| of the block / 254) of the master
             weight. Master weights, gradients and the reduce-scatter (``reduce_dtype``) are
             unchanged. Needs a floating ``param_dtype``, and gloo or NCCL (``fully_shard`` checks).
+        reduce_quantization: None (default: reduce-scatter in ``reduce_dtype``), or
+            ``QuantizedReduce(bits=4 or 8, local_size=L)``: the gradient reduction is ZeRO++'s qgZ
+            (arXiv:2306.10209, §3.3) — block-quantised int4 / int8 gradients (one fp32 scale per
+            256 values), an all-to-all inside each "node" of L consecutive ranks, a dequantise-
+            sum-requantise, an all-to-all across the nodes and a dequantise-sum into the
+            reduce-scatter's output in ``reduce_dtype`` (``runtime/quantized_reduce.py``; the
+            flags saying which gradients are None are reduced unquantised). Each reduced value is
+            within the sum of half its blocks' scales of the exact sum. Refused (ValueError, by
+            ``fully_shard``) under HSDP, where L does not divide the unit's W, or with a
+            communicator without an all-to-all; the unit then reduces alone (no bucket).
 
     Same fields and semantics as ``torch.distributed.fsdp.MixedPrecisionPolicy``, plus
-    ``all_gather_dtype`` (flashfsdp's; torch's policy has none).
+    ``all_gather_dtype`` and ``reduce_quantization`` (flashfsdp's; torch's policy has none).
 
     Raises:
         TypeError: a dtype field that is not a torch.dtype (or None) of the right kind.
         ValueError: ``all_gather_dtype`` other than ``torch.int8`` or None, or ``torch.int8``
             without a floating ``param_dtype``.
+        TypeError: ``reduce_quantization`` neither None nor a ``QuantizedReduce``.
     """
 
     param_dtype: torch.dtype | None = None
@@ -42,6 +55,7 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     all_gather_dtype: torch.dtype | None = None
+    reduce_quantization: QuantizedReduce | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -49,6 +63,9 @@ class MixedPrecisionPolicy:
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise TypeError(f"MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, got {value!r}")
         self._check_all_gather_dtype()
+        if self.reduce_quantization is not None and not isinstance(self.reduce_quantization, QuantizedReduce):
+            raise TypeError(f"MixedPrecisionPolicy.reduce_quantization must be a QuantizedReduce (e.g. "
+                            f"QuantizedReduce(bits=4, local_size=8)) or None, got {self.reduce_quantization!r}")
 
     def _check_all_gather_dtype(self) -> None:
         value = self.all_gather_dtype

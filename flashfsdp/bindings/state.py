@@ -174,6 +174,18 @@ class FSDPState:
         if self.ctx is not None:
             self.ctx.step.prefetched.discard(self)
 
+    def reshard_idle(self, what: str) -> None:
+        """Before ``what`` (a load, a conversion): reshard the unit if it is idle and unsharded (kept
+        by ``reshard_after_forward=False``, also after a no-grad forward, as FSDP2); RuntimeError
+        if it is unsharded inside a forward or backward."""
+        if self.holds_unsharded and (self.training_state is not TrainingState.IDLE or in_backward() or (
+                self.ctx is not None and self.ctx.root.training_state is not TrainingState.IDLE)):
+            raise RuntimeError(
+                f"{what} on fully_shard'ed module '{self.unit.name}' while its parameters are unsharded inside "
+                f"forward/backward: call it outside forward/backward")
+        if self.holds_unsharded:
+            self.reshard()
+
     def prefix_fqns(self, module: nn.Module, prefix: str) -> None:
         """Prepend ``prefix`` to the names of the parameters found under ``module``."""
         for i, owner in enumerate(self.param_owners):
@@ -263,6 +275,8 @@ class FSDPState:
         parameters and the gate are visited only when one changed (or the unit was converted, or
         it has all-gather extensions, whose unsharded parameters may be new ones)."""
         groups = self.unit.groups
+        if self.holds_unsharded and self._tracked_requires_grad is not None:
+            self._carry_unsharded_requires_grad()
         sharded = tuple(map(_REQUIRES_GRAD, chain.from_iterable(map(_SHARDED_PARAMS, groups))))
         if (sharded == self._sharded_flags and self._tracked_requires_grad is not None
                 and not self.unit.extensions):
@@ -277,6 +291,14 @@ class FSDPState:
                 return  # (inside a functorch transform: again at the next forward)
             self._tracked_requires_grad = flags
         self._sharded_flags = sharded
+
+    def _carry_unsharded_requires_grad(self) -> None:
+        """``requires_grad_`` on the unsharded parameters of a unit kept unsharded since its last
+        forward (``reshard_after_forward=False``) goes to the sharded ones, which hold the flags."""
+        pairs = [(s, u) for g in self.unit.groups for s, u in zip(g.sharded_params, g.unsharded_params)]
+        if tuple(u.requires_grad for _, u in pairs) != self._tracked_requires_grad[:len(pairs)]:
+            for sharded, unsharded in pairs:
+                sharded.requires_grad_(unsharded.requires_grad)
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:

@@ -43,6 +43,7 @@ from flashfsdp.kernels.dispatch import op_backend
 
 from . import trace
 from .communicator import LocalCommunicator
+from .custom_collectives import CustomReduceScatter
 from .flat_param import FlatParam
 from .reduce import PendingReduce, ReduceLayout, divide_factors, gradient_sources, pack_sources, prepare_reduction
 from .step import NOTHING
@@ -75,8 +76,8 @@ def all_gather_class(unit: ShardedUnit) -> tuple[Hashable, int] | None:
     module docstring)."""
     if not unit.groups:
         return NOTHING
-    if unit.all_gather_dtype is not None or not _plain_groups(unit) or unit.extensions:
-        return None
+    if unit.all_gather_dtype is not None or not _plain_groups(unit) or unit.extensions or unit.ag_comm is not None:
+        return None  # (a custom all-gather runs alone: custom_collectives.py)
     nbytes = sum(g.layout.gathered_size * g.param_dtype.itemsize for g in unit.groups)
     return ("all_gather", _comm_id(unit.comm), unit.device), nbytes
 
@@ -88,8 +89,10 @@ def reduce_class(unit: ShardedUnit) -> tuple[Hashable, int] | None:
     if not groups:
         return NOTHING
     dtypes = {unit.reduce_dtype or g.param_dtype for g in groups}
-    if len(dtypes) != 1 or not _plain_groups(unit) or unit.extensions:
-        return None
+    if len(dtypes) != 1 or not _plain_groups(unit) or unit.extensions or unit.reduce_quantization is not None:
+        return None  # (a qgZ unit reduces alone: quantized_reduce.py)
+    if isinstance(unit.rs_comm, CustomReduceScatter):
+        return None  # (a custom reduce-scatter runs alone: custom_collectives.py)
     (reduce_dtype,) = dtypes
     f_pre, _ = divide_factors(unit, reduce_dtype)
     nbytes = sum(ReduceLayout.of(g).segment for g in groups) * unit.comm.world_size * reduce_dtype.itemsize

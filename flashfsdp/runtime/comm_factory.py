@@ -197,3 +197,38 @@ def separate_communicator(comm: Communicator, device: torch.device) -> Communica
     cached.parent = group
     _cache[key] = cached
     return cached
+
+
+def node_communicators(comm: Communicator, local_size: int, kind: str | Communicator,
+                       device: torch.device) -> tuple[Communicator, Communicator]:
+    """``(intra, inter)``: the communicators over this rank's "node" and across the nodes, the
+    ranks of ``comm``'s group taken as N = W / ``local_size`` nodes of ``local_size`` consecutive
+    ranks (node m: ranks m·L .. m·L + L - 1, as the hpZ groups of :func:`post_forward_communicator`,
+    which builds ``intra``); ``inter`` holds the ranks of the same local rank l of every node
+    (l, L + l, 2L + l, ...). ZeRO++ qgZ's hierarchical all-to-all runs over them
+    (``quantized_reduce.py``). A group of one rank gets the LocalCommunicator. Every rank creates
+    every subgroup of every sibling group in one order (see [Note: sibling groups]).
+
+    Raises:
+        ValueError: ``local_size`` does not divide W, or ``comm`` has no torch.distributed group
+            while W > 1.
+    """
+    world = comm.world_size
+    if local_size < 1 or world % local_size:
+        raise ValueError(f"node_communicators: local_size={local_size} must divide the world size {world}")
+    if world == 1:
+        return comm, comm
+    intra = comm if local_size == world else post_forward_communicator(comm, local_size, kind, device)
+    if local_size == 1:
+        return intra, comm
+    group = getattr(comm, "group", None)
+    if group is None:
+        raise ValueError("node_communicators: the nodes' groups need a torch.distributed process group")
+    key = ("inter_node", id(group), local_size, str(device))
+    cached = _cache.get(key)
+    if cached is None or cached.parent is not group:
+        mine = _new_groups_for(group, lambda ranks: [ranks[l::local_size] for l in range(local_size)])
+        cached = communicator_for(mine, kind, device)
+        cached.parent = group
+        _cache[key] = cached
+    return intra, cached

@@ -1,6 +1,7 @@
 """The Communicator interface, its Work handles, and the single-rank communicator.
 
-A communicator runs the five collectives the runtime needs. Each returns a :class:`Work`; its
+A communicator runs the five collectives the runtime needs, and the all-to-all of ZeRO++ qgZ's
+quantised gradient reduction (``quantized_reduce.py``). Each returns a :class:`Work`; its
 ``wait()`` makes the caller's current CUDA stream wait for the collective (GPU) or blocks until it
 finished (CPU). On CPU a Work can also say *when* it finished (:meth:`Work.track_completion`,
 :meth:`Work.completion_time`), which the traces use to time collectives that overlap compute.
@@ -95,6 +96,20 @@ class Communicator(abc.ABC):
     def barrier(self) -> None:
         """Block until every rank reached the barrier."""
 
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, label: str | None = None) -> Work:
+        """Equal-split all-to-all: ``out[j·n:(j+1)·n]`` = ``inp[rank·n:(rank+1)·n]`` of rank j, for
+        every j (n = inp.numel() / W; ``out`` and ``inp`` of one dtype and size, contiguous, not
+        overlapping). ``label`` names the hop in the flight recorder (kind ``"all_to_all (<label>)"``).
+        The communicators here implement it (ZeRO++ qgZ's hops, ``quantized_reduce.py``); a custom
+        communicator without it cannot serve ``MixedPrecisionPolicy.reduce_quantization``.
+
+        Raises:
+            NotImplementedError: this communicator has no all-to-all.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no all_to_all_single; implement it to use "
+            f"MixedPrecisionPolicy.reduce_quantization (ZeRO++ qgZ) with this communicator")
+
 
 def check_reduce_op(op: str) -> None:
     """Raise ValueError unless ``op`` is one of ``"sum"``, ``"avg"``, ``"max"``."""
@@ -113,6 +128,28 @@ def check_collective_sizes(name: str, big: torch.Tensor, small: torch.Tensor, wo
         )
     if big.dtype != small.dtype:
         raise TypeError(f"{name}: dtypes differ ({big.dtype} vs {small.dtype})")
+
+
+def check_all_to_all_sizes(out: torch.Tensor, inp: torch.Tensor, world_size: int) -> None:
+    """Raise ValueError / TypeError unless ``out`` and ``inp`` are contiguous, of one dtype and
+    size, that size a multiple of ``world_size``, and do not share memory (an all-to-all's
+    equal splits)."""
+    if not (out.is_contiguous() and inp.is_contiguous()):
+        raise ValueError("all_to_all_single: tensors must be contiguous")
+    if out.dtype != inp.dtype:
+        raise TypeError(f"all_to_all_single: dtypes differ ({out.dtype} vs {inp.dtype})")
+    if out.numel() != inp.numel() or inp.numel() % world_size:
+        raise ValueError(f"all_to_all_single: input of {inp.numel()} and output of {out.numel()} elements; both "
+                         f"must have the same size, a multiple of the world size {world_size}")
+    if out.numel() and out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+        lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+        if lo < inp.data_ptr() + inp.numel() * inp.element_size() and inp.data_ptr() < hi:
+            raise ValueError("all_to_all_single: input and output overlap")
+
+
+def all_to_all_kind(label: str | None) -> str:
+    """The flight recorder's kind of an all-to-all: ``"all_to_all"`` or ``"all_to_all (<label>)"``."""
+    return "all_to_all" if not label else f"all_to_all ({label})"
 
 
 class LocalCommunicator(Communicator):
@@ -145,6 +182,11 @@ class LocalCommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         if src != 0:
             raise ValueError(f"broadcast: src must be 0 in a group of one rank, got {src}")
+        return CompletedWork()
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, label: str | None = None) -> Work:
+        check_all_to_all_sizes(out, inp, 1)
+        out.copy_(inp)
         return CompletedWork()
 
     def barrier(self) -> None:

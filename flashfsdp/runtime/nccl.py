@@ -58,7 +58,8 @@ import torch.distributed as dist
 from flashfsdp._torch_private import c10d_world, get_default_store
 
 from . import flight
-from .communicator import Communicator, ReduceOpName, Work, check_collective_sizes, check_reduce_op
+from .communicator import (Communicator, ReduceOpName, Work, all_to_all_kind, check_all_to_all_sizes,
+                           check_collective_sizes, check_reduce_op)
 from .nccl_env import create_communicator, import_nccl, unique_id_to_bytes
 from .nccl_watchdog import CollectiveError, CollectiveTimeout, Watchdog
 
@@ -238,13 +239,13 @@ class NcclCommunicator(Communicator):
         return self._comm
 
     # ------------------------------------------------------------------ collectives
-    def _enqueue(self, name: str, call, *tensors: torch.Tensor) -> Work:
+    def _enqueue(self, name: str, call, *tensors: torch.Tensor, kind: str | None = None) -> Work:
         for t in tensors:
             if t.device != self.device:
                 raise ValueError(f"NcclCommunicator: {name}: tensor on {t.device}, communicator on {self.device}")
         comm = self._live_comm()
         stream = torch.cuda.current_stream(self.device)
-        entry = flight.record(_FLIGHT_KINDS[name], self.ranks, tensors[-1].numel() * tensors[-1].element_size())
+        entry = flight.record(kind or _FLIGHT_KINDS[name], self.ranks, tensors[-1].numel() * tensors[-1].element_size())
         call(comm, stream.cuda_stream)
         event = torch.cuda.Event()
         event.record(stream)
@@ -288,6 +289,29 @@ class NcclCommunicator(Communicator):
             lambda c, s: c.broadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), self._dtype(tensor), src, s),
             tensor,
         )
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, label: str | None = None) -> Work:
+        """Equal-split all-to-all as NCCL's grouped point-to-point (``ncclGroupStart``, one
+        ``ncclSend`` of ``inp``'s chunk j to rank j and one ``ncclRecv`` of rank j's chunk into
+        ``out``'s chunk j for every j, ``ncclGroupEnd``: NCCL's own all-to-all recipe) on the
+        current stream; needs NCCL >= 2.7 (CuPy's ``send`` / ``recv``). Recorded as
+        ``"all_to_all (<label>)"`` (see the base class)."""
+        check_all_to_all_sizes(out, inp, self.world_size)
+        nccl = import_nccl()
+        n = inp.numel() // self.world_size
+        step = n * inp.element_size()
+        dtype = self._dtype(inp)
+
+        def call(c, s):
+            nccl.groupStart()
+            try:
+                for peer in range(self.world_size):
+                    c.send(inp.data_ptr() + peer * step, n, dtype, peer, s)
+                    c.recv(out.data_ptr() + peer * step, n, dtype, peer, s)
+            finally:
+                nccl.groupEnd()
+
+        return self._enqueue("all_to_all_single", call, out, inp, kind=all_to_all_kind(label))
 
     def barrier(self) -> None:
         """All-reduce one element and wait for it on the host, polling the watchdog (a rank that

@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from . import divergence, flight, flight_desync
-from .communicator import Communicator, ReduceOpName, Work, check_collective_sizes, check_reduce_op
+from .communicator import (Communicator, ReduceOpName, Work, all_to_all_kind, check_all_to_all_sizes,
+                           check_collective_sizes, check_reduce_op)
 from .flight_report import collective
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
@@ -184,6 +185,13 @@ class ProcessGroupCommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         global_src = dist.get_global_rank(self.group, src) if self.group is not dist.group.WORLD else src
         return _TorchWork(*self._issue("broadcast", _nbytes(tensor), dist.broadcast, tensor, src=global_src),
+                          self._watched)
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, label: str | None = None) -> Work:
+        """``dist.all_to_all_single`` with equal splits (gloo or NCCL); recorded as
+        ``"all_to_all (<label>)"`` with the bytes this rank sends (see the base class)."""
+        check_all_to_all_sizes(out, inp, self.world_size)
+        return _TorchWork(*self._issue(all_to_all_kind(label), _nbytes(inp), dist.all_to_all_single, out, inp),
                           self._watched)
 
     def barrier(self) -> None:

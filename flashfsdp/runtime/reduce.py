@@ -8,7 +8,8 @@ gradient; the chunks of ``Shard(k)`` parameters, k != 0, are copied along k with
 the launch, ``dim_chunks.py``), then one flag per parameter (see [Note: gradients of unused parameters] in
 ``grad_shard.py``). Frozen parameters are left out: the segment is then laid out by the trainable
 parameters' sub-layout (``FlatParam.reduce_layout``). The reduce-scatter into one segment runs on
-the reduce-scatter stream. The :class:`PendingReduce` it returns finishes later: one
+the reduce-scatter stream (with ``unit.reduce_quantization``, ZeRO++ qgZ's quantised hierarchical
+all-to-all in its place: ``quantized_reduce.py``). The :class:`PendingReduce` it returns finishes later: one
 ``accumulate_grad_shard`` launch post-divides, casts and adds the segment's shard part into
 ``sharded_grad`` and returns the shard's squared norm and inf/nan flag from the same pass.
 
@@ -394,7 +395,11 @@ def reduce_group(unit: "ShardedUnit", group: FlatParam) -> PendingReduce | None:
             in_place = group.reduce_output(rlayout.segment, reduce_dtype, unit.device)
         output = torch.empty(rlayout.segment, dtype=reduce_dtype, device=unit.device) if in_place is None else in_place
         with trace.issuing("reduce_scatter", unit.name, rs) as issued:
-            work = issued.track((unit.rs_comm or unit.comm).reduce_scatter_tensor(output, packed, op="sum"))
+            if unit.reduce_quantization is not None:  # ZeRO++ qgZ (quantized_reduce.py)
+                work = unit.reduce_quantization.reduce_scatter(output, packed, rlayout.layout.shard_size)
+            else:
+                work = (unit.rs_comm or unit.comm).reduce_scatter_tensor(output, packed, op="sum")
+            work = issued.track(work)
         pending = PendingReduce(unit, group, work, output, prepared.accumulate, 1.0 / prepared.f_post, rlayout,
                                 [packed], issued, local, prepared.had, in_place=in_place is not None)
         read_event = streams.record(rs)  # the reduce-scatter has read ``packed``

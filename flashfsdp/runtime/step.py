@@ -12,7 +12,8 @@ prefetch and reduction happen, calling them on the driver's :class:`StepExecutor
                         order, reshard the units whose gathered parameters went stale
 ``pre_forward(u)``      record u; wait for u's all-gather (issue it if no prefetch did); prefetch the
                         forward targets the policy admits
-``post_forward(u, bwd)``  no backward follows (grad off): reshard u, and the root reshards every unit
+``post_forward(u, bwd)``  no backward follows (grad off): reshard u unless its ``reshard_after_forward``
+                        is False (FSDP2 keeps it gathered), and the root reshards every unit
                         prefetched but not run; else reshard to the post-forward sharding when u's
                         ``reshard_after_forward`` says so — except the root and the unit the schedule
                         keeps for backward when the value was not given (FSDP2's default)
@@ -371,7 +372,9 @@ class StepProtocol:
         if backward_follows:
             self.forward_with_grad.add(key)
         if not backward_follows:
-            self.reshard(key)
+            setting = self.x.settings(key).reshard_after_forward
+            if setting.reshard:  # FSDP2: reshard_after_forward=False keeps the unit gathered here too
+                self.reshard(key)
             if key == self.root:  # a unit prefetched in this forward that never ran (a branch not taken)
                 for other in list(self.prefetched):
                     self.reshard(other)

@@ -29,6 +29,7 @@ from .extensions import PackedAllGather, ParamExtension, scan
 from .flat_param import FlatParam
 from .layout import align_elements
 from .quantized_gather import QuantizedAllGather, check_all_gather_dtype, finish_quantized
+from .quantized_reduce import QuantizedReducer
 from .reduce import PendingReduce, accumulate_unsharded, gradient_divide_factors, reduce_group
 from .sharding_spec import ShardingSpec
 from .states import ShardState
@@ -116,6 +117,9 @@ class ShardedUnit:
             floating groups block-wise quantised to int8 and dequantise into ``param_dtype`` at
             the wait (ZeRO++ qwZ, Wang et al. 2023; ``quantized_gather.py``); the master shard
             and the gradients are unchanged. ValueError if the communicator or device cannot.
+        reduce_quantization: None, or a ``quantized_reduce.QuantizedReducer``: the gradient
+            reduce-scatter runs as ZeRO++ qgZ's quantised hierarchical all-to-all
+            (``quantized_reduce.py``; built and checked by ``fully_shard``).
         spec: how the unit's chunks are shown (``ShardingSpec``: DTensors on its mesh with FSDP2's
             placements, or plain tensors without a mesh; default plain).
         shard_dims: each parameter's shard dim (FSDP2's ``shard_placement_fn``'s ``Shard(k)``,
@@ -143,6 +147,7 @@ class ShardedUnit:
         all_gather_dtype: torch.dtype | None = None,
         spec: ShardingSpec | None = None,
         shard_dims: Sequence[int] | None = None,
+        reduce_quantization: QuantizedReducer | None = None,
     ):
         self.name = name
         self.spec = spec or ShardingSpec(None)
@@ -159,6 +164,7 @@ class ShardedUnit:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.all_gather_dtype = check_all_gather_dtype(all_gather_dtype, communicator, device, name)
+        self.reduce_quantization = reduce_quantization  # ZeRO++ qgZ (reduce.py, quantized_reduce.py)
         # ids of the original parameters this unit took over (to detect sharing with other units)
         self.original_param_ids = {id(p) for p in params}
         self._make_groups(params, fqns, offload, pin_memory, shard_dims)
@@ -167,7 +173,8 @@ class ShardedUnit:
         self.all_reduce_hook = None  # FSDPModule.set_all_reduce_hook: called on FSDP2's reduce output (reduce.py)
         self.all_reduce_hook_stream = None
         self.force_sum_reduction = False  # set_force_sum_reduction_for_comms: what the hook sees (reduce.py)
-        self.rs_comm: Communicator | None = None  # set_separate_reduce_scatter_group
+        self.rs_comm: Communicator | None = None  # set_separate_reduce_scatter_group, set_custom_reduce_scatter
+        self.ag_comm: Communicator | None = None  # set_custom_all_gather (custom_collectives.py)
         self.reduce_unused_params = False  # set_reduce_scatter_unused_params: zeros instead of None
         # FSDPModule.set_gradient_divide_factor: the gradients are the sum over ranks divided by it
         self.gradient_divide_factor: float | None = None
@@ -286,7 +293,7 @@ class ShardedUnit:
         if self.state not in (ShardState.SHARDED, ShardState.SECONDARY):
             return self._all_gather
         secondary = self._secondary if self.state is ShardState.SECONDARY else []
-        comm = self.post_forward_comm if secondary else self.comm
+        comm = self.post_forward_comm if secondary else (self.ag_comm or self.comm)
         if not secondary and self.extensions:
             return self._unshard_packed()
         works = []
@@ -356,7 +363,7 @@ class ShardedUnit:
                     group.copy_in()
                 packed = PackedAllGather(self.groups, self.extensions, self.comm, mesh, self.mp_policy)
             with trace.issuing("all_gather", self.name, ag) as issued:
-                works = [issued.track(packed.issue(self.comm))]
+                works = [issued.track(packed.issue(self.ag_comm or self.comm))]
             event = self.streams.record(ag)
         self._all_gather = AllGatherResult(works, buffers, versions, event, self.streams, issued, packed=packed)
         self.state = ShardState.UNSHARDING

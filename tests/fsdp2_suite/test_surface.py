@@ -116,4 +116,69 @@ def dp_mesh_dims_refused(rank, world_size, impl):
     return _train(impl, plain, ref, mesh_size=4)
 
 
+def _counting_collectives(calls: dict):
+    """torch FSDP2 ``AllGather`` / ``ReduceScatter`` objects that count their allocations and calls
+    (in ``calls``) and run torch.distributed's collectives on gloo (a reduce-scatter as an
+    all-reduce of the input, this rank's chunk taken: gloo has no reduce-scatter)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: PLC0415
+
+    class CountingAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            calls["ag_allocate"] += 1
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            calls["all_gather"] += 1
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (2.13's name)
+            return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class CountingReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            calls["rs_allocate"] += 1
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            calls["reduce_scatter"] += 1
+            summed = input_tensor.clone()
+            dist.all_reduce(summed, op=op, group=group)
+            n = output_tensor.numel()
+            output_tensor.copy_(summed[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n])
+            return None
+
+    return CountingAllGather(), CountingReduceScatter()
+
+
+@cases.case()  # (buckets on: the units with custom collectives run them alone)
+def custom_all_gather_and_reduce_scatter(rank, world_size, impl):
+    """``set_custom_all_gather`` / ``set_custom_reduce_scatter`` on the blocks of an MLP stack
+    (not the root): every all-gather and reduce-scatter of those units goes through the user's
+    objects (allocate, then the call), the root's through the default collectives; losses and
+    parameters equal FSDP2's with the same objects; flashfsdp refuses a non-``AllGather``
+    with a TypeError."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(8), MLP(8), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    for block in model[:2]:  # (explicit: flashfsdp's default keeps the last block for backward)
+        impl.fully_shard(block, reshard_after_forward=True)
+    impl.fully_shard(model)
+    calls = dict.fromkeys(("ag_allocate", "all_gather", "rs_allocate", "reduce_scatter"), 0)
+    for block in model[:2]:
+        all_gather, reduce_scatter = _counting_collectives(calls)
+        block.set_custom_all_gather(all_gather)
+        block.set_custom_reduce_scatter(reduce_scatter)
+    if impl.name == "flashfsdp":  # (FSDP2 takes any object and fails at its first all-gather)
+        try:
+            model[0].set_custom_all_gather(object())
+        except TypeError as exc:
+            assert "AllGather" in str(exc), exc
+        else:
+            raise AssertionError("set_custom_all_gather(object()) was accepted")
+    out = _train(impl, model, ref, steps=3)
+    # 3 steps: each block gathers in forward and again in backward (one allocation each), reduces
+    # once (two allocations: the input and the output)
+    assert calls == {"ag_allocate": 12, "all_gather": 12, "rs_allocate": 12, "reduce_scatter": 6}, calls
+    out["calls"] = calls
+    return out
+
+
 test_case = cases.pytest_tests()

@@ -116,4 +116,52 @@ def meta_init_values_and_types(rank, world_size, impl):
     return {"values": values, "loss": loss.detach()}
 
 
+def _eval_counting(impl, model, inp, tag: str) -> dict:
+    """A no-grad forward of ``model``: its output, the all-gathers it issued, the parameters' types
+    after it (logged)."""
+    with torch.no_grad(), impl.count_collectives() as counted:
+        out = model(inp)
+    impl.record_types(tag, list(model.parameters()))
+    return {"out": out, "all_gathers": counted.all_gather}
+
+
+@cases.case(per_unit_collectives=True)
+def eval_without_reshard_after_forward(rank, world_size, impl):
+    """``set_reshard_after_forward(False)``, then no-grad evaluation forwards: the first gathers
+    every unit, the second none (the units stayed unsharded, the parameters FSDP2's plain unsharded
+    tensors); ``requires_grad_(False)`` on a block's (unsharded) parameters afterwards freezes it
+    for the next training step (no gradient, its values kept), ``load_state_dict`` then writes the
+    shards and the next evaluation sees the loaded values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    for block in (model[0], model[2]):
+        impl.fully_shard(block)
+    impl.fully_shard(model)
+    model.set_reshard_after_forward(False)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rank_seed(rank)
+    inp = torch.randn(4, 8)
+    model(inp).pow(2).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    evals = [_eval_counting(impl, model, inp, f"after eval {i}") for i in range(2)]
+    assert [e["all_gathers"] for e in evals] == [3, 0], [e["all_gathers"] for e in evals]
+    model[2].requires_grad_(False)
+    frozen = impl.full_params(model[2])
+    loss = model(inp).pow(2).sum()
+    loss.backward()
+    assert all(p.grad is None for p in model[2].parameters()), "the block frozen after the eval got gradients"
+    optim.step()
+    optim.zero_grad()
+    after = impl.full_params(model[2])
+    for name, value in frozen.items():
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"frozen {n}: {m}")
+    impl.record_types("after training", list(model.parameters()))
+    evals.append(_eval_counting(impl, model, inp, "after training, eval"))
+    state = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    evals.append(_eval_counting(impl, model, inp, "after load_state_dict, eval"))
+    return {"evals": evals, "loss": loss.detach(), "params": impl.full_params(model)}
+
+
 test_case = cases.pytest_tests()

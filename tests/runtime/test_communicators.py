@@ -252,3 +252,64 @@ def test_gloo_reduce_scatter_equals_torchs(world_size):
                 tol = 1e-6 if dtype == "torch.float32" else 1e-2
                 torch.testing.assert_close(mine.float(), torchs.float(), rtol=tol, atol=tol)
         assert torch.equal(*r["max"])
+
+
+# ------------------------------------------------------------------ all-to-all (ZeRO++ qgZ's hops)
+def test_local_all_to_all_copies_and_checks_sizes():
+    comm = LocalCommunicator()
+    inp, out = torch.arange(6, dtype=torch.int8), torch.zeros(6, dtype=torch.int8)
+    comm.all_to_all_single(out, inp, label="qgZ intra").wait()
+    assert torch.equal(out, inp)
+    with pytest.raises(ValueError, match="same size"):
+        comm.all_to_all_single(torch.zeros(5, dtype=torch.int8), inp)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        comm.all_to_all_single(torch.zeros(6), inp)
+    with pytest.raises(ValueError, match="overlap"):
+        comm.all_to_all_single(inp, inp)
+
+
+def _all_to_all(rank, world_size):
+    from flashfsdp.runtime import flight  # noqa: PLC0415
+
+    comm = ProcessGroupCommunicator()
+    n = 3  # int8 chunks of 3 bytes: chunk j of rank r holds 10·r + j
+    inp = torch.tensor([10 * rank + j for j in range(world_size) for _ in range(n)], dtype=torch.int8)
+    out = torch.empty_like(inp)
+    comm.all_to_all_single(out, inp, label="qgZ intra").wait()
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        comm.all_to_all_single(torch.empty(5, dtype=torch.int8), torch.empty(5, dtype=torch.int8))
+    kinds = [(e.kind, e.nbytes) for e in flight.entries()]
+    return out.tolist(), kinds
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_process_group_all_to_all_on_gloo(world_size):
+    """Rank r receives chunk r of every rank, in rank order; the flight recorder names the hop
+    and the bytes this rank sent."""
+    results = run_distributed(_all_to_all, world_size)
+    for rank, (out, kinds) in enumerate(results):
+        assert out == [10 * j + rank for j in range(world_size) for _ in range(3)]
+        assert ("all_to_all (qgZ intra)", 3 * world_size) in kinds
+
+
+def test_a_communicator_without_all_to_all_says_so():
+    class Partial(LocalCommunicator):
+        all_to_all_single = LocalCommunicator.__mro__[1].all_to_all_single
+
+    with pytest.raises(NotImplementedError, match="Partial has no all_to_all_single"):
+        Partial().all_to_all_single(torch.zeros(2), torch.zeros(2))
+
+
+def _nccl_all_to_all(rank, world_size):
+    comm = nccl.NcclCommunicator()
+    inp = torch.arange(8, dtype=torch.int8, device="cuda")
+    out = torch.zeros_like(inp)
+    comm.all_to_all_single(out, inp, label="qgZ inter").wait()
+    torch.cuda.synchronize()
+    return out.cpu()
+
+
+@pytest.mark.gpu
+def test_nccl_all_to_all_on_one_gpu():
+    (out,) = run_distributed(_nccl_all_to_all, 1)
+    assert torch.equal(out, torch.arange(8, dtype=torch.int8))

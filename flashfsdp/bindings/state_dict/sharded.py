@@ -140,11 +140,7 @@ def _pre_load_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, 
                          strict, missing_keys, unexpected_keys, error_msgs) -> None:
     close_init_windows()
     shards_written()
-    if state.holds_unsharded:
-        raise RuntimeError(
-            f"load_state_dict on fully_shard'ed module '{state.unit.name}' while its parameters are unsharded: "
-            f"call it outside forward/backward, after module.reshard()"
-        )
+    state.reshard_idle("load_state_dict")  # (kept unsharded after a forward: the load writes the shards)
     # Replace each value by a DTensor of the unit's placements; the default loader then copies it
     # into the sharded parameter (DTensor.copy_: its local tensor, this rank's chunk of the shard).
     for rel, i in unit_param_keys(state, module):
