@@ -110,7 +110,8 @@ class ReplayCollectives:
         ops = [self._issue("copy_in", label, copy_phase, stream="all_gather")] if direct and copy_phase else []
         for part in [] if direct else by_dtype.values():
             wire = sum(st.unit.all_gather_bytes_total(self.W) for st in part)
-            cost = self.link.all_gather_s(wire, self.W)
+            cost = self.link.unit_all_gather_s(wire, sum(st.unit.unsharded_bytes(self.W) for st in part), self.W,
+                                               self.phase)
             ops.append(self._issue("all_gather", label, copy_phase + self._collective_phases("all_gather", cost)))
             copy_phase = []
             self.ag_cost += cost

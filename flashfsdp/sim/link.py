@@ -106,6 +106,13 @@ class Link:
         """Seconds of a ring all-gather whose output (the unsharded buffer) has ``nbytes`` bytes."""
         return ring_collective_s(nbytes, world_size, self.alpha_s, self.bandwidth)
 
+    def unit_all_gather_s(self, wire_bytes: float, unsharded_bytes: float, world_size: int, phase: str) -> float:
+        """Seconds of a unit's (or bucket's) all-gather in ``phase`` ("forward" or "backward"):
+        here :meth:`all_gather_s` of the ``wire_bytes`` it delivers, whatever the phase; a link
+        whose backward all-gathers run elsewhere (ZeRO++ hpZ: :class:`flashfsdp.sim.zeropp.ZeroPPLink`)
+        overrides it. ``unsharded_bytes``: the gathered parameters in ``param_dtype``."""
+        return self.all_gather_s(wire_bytes, world_size)
+
     def reduce_scatter_s(self, nbytes: float, world_size: int) -> float:
         """Seconds of a ring reduce-scatter whose input (the unsharded buffer) has ``nbytes`` bytes."""
         return ring_collective_s(nbytes, world_size, self.rs_alpha_s, self.rs_bandwidth)
