@@ -29,6 +29,8 @@ DEFAULT_TIMEOUT_S = 600.0
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 # torch's dtype names accepted for the short ones.
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+# --reduce-quantization's values: the width of qgZ's quantised gradients.
+REDUCE_QUANTIZATIONS = ("int8", "int4")
 _RESHARD_WORDS = {"true": True, "false": False, "default": None, "none": None}
 
 
@@ -150,6 +152,16 @@ class ShardingSection:
     all_gather_dtype: str | None = option(
         choices=("int8",), default_text="all-gather in --param-dtype",
         help="all-gather the weights block-wise quantised to int8, dequantised into --param-dtype (ZeRO++ qwZ)")
+    reduce_quantization: str | None = option(
+        choices=REDUCE_QUANTIZATIONS, default_text="reduce-scatter in --reduce-dtype",
+        help="reduce the gradients block-quantised to int8 or int4 by a hierarchical all-to-all, inside "
+             "each node of --ranks-per-node ranks, then across the nodes, into --reduce-dtype (ZeRO++ qgZ); "
+             "needs --ranks-per-node")
+    ranks_per_node: int | None = option(
+        check="positive", metavar="N",
+        help="the data-parallel ranks of one node for --reduce-quantization: consecutive groups of N ranks "
+             "play the nodes (on one machine, N < --nproc emulates several); N divides the data-parallel "
+             "ranks (the world size / --tp)")
     reshard_after_forward: bool | int | None = option(
         parse=reshard_value, metavar="{default,true,false,N}", check="bool_or_positive",
         default_text="fully_shard's, which is true for a block",
@@ -236,7 +248,9 @@ def check_values(values: dict) -> None:
     Raises:
         UsageError: a value out of its option's range (`option(check=...)`: a non-positive size
             or period, a negative warm-up, a non-positive or infinite timeout or --peak-tflops),
-            a learning rate out of range, or an invalid --log-ranks (the message names the option).
+            a learning rate out of range, an invalid --log-ranks, or --reduce-quantization without
+            --ranks-per-node (or the reverse, or an N not dividing --nproc / --tp; see
+            `check_reduce_quantization`) (the message names the option).
     """
     check_ranges(OPTIONS, values)
     lr, min_lr = values.get("optimizer.lr"), values.get("optimizer.min_lr")
@@ -244,6 +258,29 @@ def check_values(values: dict) -> None:
         raise UsageError(f"--lr must be positive and --min-lr in [0, lr]; got {lr}, {min_lr}")
     if values.get("logging.log_ranks") is not None:
         check_log_ranks(values["logging.log_ranks"])
+    nproc, tp = values.get("run.nproc"), values.get("sharding.tp") or 1
+    check_reduce_quantization(values.get("sharding.reduce_quantization"), values.get("sharding.ranks_per_node"),
+                              None if nproc is None or nproc % tp else nproc // tp)
+
+
+def check_reduce_quantization(quantization: str | None, ranks_per_node: int | None, dp: int | None) -> None:
+    """--reduce-quantization and --ranks-per-node come together, and N divides the `dp`
+    data-parallel ranks (None: not known yet; the job checks its world size / --tp).
+
+    Raises:
+        UsageError: one given without the other, or an N that does not divide `dp` (names the
+            divisors).
+    """
+    if quantization is None and ranks_per_node is not None:
+        raise UsageError(f"--ranks-per-node {ranks_per_node} sets the nodes of --reduce-quantization; "
+                         "give --reduce-quantization int8 or int4 too, or drop it")
+    if quantization is not None and ranks_per_node is None:
+        raise UsageError(f"--reduce-quantization {quantization} needs --ranks-per-node N, the data-parallel "
+                         "ranks of one node (N = the world size: one node)")
+    if quantization is not None and dp is not None and ranks_per_node > 0 and dp % ranks_per_node:
+        divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        raise UsageError(f"--ranks-per-node {ranks_per_node} does not divide the {dp} data-parallel rank(s) "
+                         f"of --reduce-quantization; give one of {divisors}")
 
 
 def check_log_ranks(spec: str) -> None:

@@ -13,6 +13,7 @@ import tempfile
 import torch
 
 from flashfsdp.models import LlamaConfig
+from flashfsdp_cli.train_sections import check_reduce_quantization
 from flashfsdp.train.checkpoints import checkpoints_dir, latest_checkpoint
 from flashfsdp.train.config import TrainConfig, UsageError
 from flashfsdp.train.data import Corpus, CorpusError, ShardedBatchSampler, load_corpus
@@ -344,7 +345,7 @@ class Inputs:
 
 def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
     """All the checks that need no process group, in order: --tp, batch split over the W / tp
-    data-parallel ranks, resharding group size,
+    data-parallel ranks, resharding group size, --ranks-per-node,
     run directory, data, memory fit (the corpus each rank loads included), --freeze patterns,
     --init-from weights, --compile.
 
@@ -360,6 +361,7 @@ def validate(config: TrainConfig, world_size: int, local_world: int) -> Inputs:
     dp = check_tp(config.sharding.tp, world_size)  # the batch splits over the data-parallel ranks
     check_batch(training.batch_size, training.grad_accum, dp)
     check_reshard_after_forward(config.sharding.reshard_after_forward, dp)
+    check_reduce_quantization(config.sharding.reduce_quantization, config.sharding.ranks_per_node, dp)
     resume_from = check_out(out, resume)
     check_not_finished(resume_from, training.steps)
     corpus = check_data(config.data.path, training.seed, config.llama.max_seq_len, training.batch_size,

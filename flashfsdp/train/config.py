@@ -135,7 +135,8 @@ class TrainConfig:
         """The `[sharding]` dtypes parsed into torch dtypes, with the run's `MixedPrecisionPolicy`
         (`Precision.policy`): the one place the job turns dtype names into dtypes."""
         s = self.sharding
-        return Precision.from_names(s.param_dtype, s.reduce_dtype, s.all_gather_dtype)
+        return Precision.from_names(s.param_dtype, s.reduce_dtype, s.all_gather_dtype, s.reduce_quantization,
+                                    s.ranks_per_node)
 
     @property
     def model_flags(self) -> str:
