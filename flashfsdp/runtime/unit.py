@@ -1,7 +1,7 @@
 """ShardedUnit: unshard, reshard and gradient reduction of one unit (no nn.Module knowledge).
 
 One unit is the parameters of one ``fully_shard`` call, grouped into FlatParams by (dtype,
-requires_grad). Its step on rank r (DESIGN.md §2):
+requires_grad). Its step on rank r (docs/architecture.md, The step protocol):
 
 1. unshard [all-gather stream]: allocate each group's gathered and unsharded buffers, copy-in
    (cast the shard to ``param_dtype`` into this rank's slice of the gathered buffer; where there
@@ -43,7 +43,7 @@ __all__ = ["AllGatherResult", "PendingReduce", "ShardedUnit", "ShardState", "gra
 class AllGatherResult:
     """The all-gathers of one unshard, as a named result that carries its synchronisation: the work
     handles, and the event recorded on the all-gather stream after them (FSDP2's
-    ``AllGatherResult``, DESIGN.md §9). ``wait()`` orders the compute stream after both: the event
+    ``AllGatherResult``). ``wait()`` orders the compute stream after both: the event
     covers the copy-in where the collective completes at once (W = 1, ``LocalCommunicator``).
 
     [Note: version counters]
