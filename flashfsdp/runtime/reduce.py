@@ -1,7 +1,8 @@
 """Gradient reduction of one unit: pack, reduce-scatter, accumulate (no nn.Module knowledge).
 
-Per trainable flat group (the step protocol's ``gradients_ready``, docs/architecture.md): one ``flatten`` launch on the compute stream
-(as FSDP2's ``foreach_reduce``: the gradients are freed right after it) packs every unsharded
+Per trainable flat group (the step protocol's ``gradients_ready``, docs/architecture.md): one
+``flatten`` launch on the compute stream (as FSDP2's ``foreach_reduce``: the gradients are freed
+right after it) packs every unsharded
 gradient into the rank-major reduce-scatter input in ``reduce_dtype``: rank r's segment holds
 chunk r of every gradient at the shard's offsets (cast, pre-divide, zero padding, zeros where no
 gradient; the chunks of ``Shard(k)`` parameters, k != 0, are copied along k with torch ops after
