@@ -145,7 +145,9 @@ def test_a_desync_is_named_on_every_rank_within_the_window(desync, case, rank0, 
         assert (status, raised) == ("error", "CollectiveFailure"), (case, message)
         assert "wait on collectives that cannot pair (found after the 1 s desync window)" in message, message
         assert rank0 in message and rank1 in message, message
-        assert seconds < cases.DESYNC_WINDOW_S + 5, (case, seconds)  # not the 30 min timeout
+        # named by the window, not at the 30 min timeout (the typical figure, 1-3 s past the window, is
+        # benchmarks.soak's; the bound leaves room for a busy machine)
+        assert seconds < cases.DESYNC_WINDOW_S + 60, (case, seconds)
 
 
 def test_a_slow_rank_is_waited_for_past_the_window(desync):
